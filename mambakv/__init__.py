@@ -1,0 +1,44 @@
+"""mambakv: a KV-cache and Mamba-state block manager for LLM inference engines.
+
+The core (blocks .. coordinator) does not import torch; ``MambaStatePool`` (which does) is
+imported lazily on first access.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mambakv.block import FreeBlockQueue, KVCacheBlock
+from mambakv.block_pool import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored
+from mambakv.coordinator import KVCacheBlocks, KVCacheCoordinator, PrefixCacheStats
+from mambakv.errors import (BlockNotFreeError, DoubleFreeError, HashBlockSizeMismatchError, InvalidDraftCountError,
+                            InvalidSpecError, InvalidTokenCountError, MambaKVError, ModelConfigError,
+                            OutOfBlocksError, StaleCacheHitError, TraceFormatError)
+from mambakv.hashing import hash_block_tokens, init_none_hash
+from mambakv.managers import FullAttentionManager, MambaManager, SingleTypeKVCacheManager, SlidingWindowManager
+from mambakv.request import Request
+from mambakv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, MambaCacheMode, MambaSpec,
+                          SlidingWindowSpec)
+
+__version__ = "0.1.0"
+
+_LAZY = {"MambaStatePool": "mambakv.state_pool"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mambakv' has no attribute {name!r}")
+
+
+__all__ = [
+    "AllBlocksCleared", "BlockNotFreeError", "BlockPool", "BlockRemoved", "BlockStored", "DoubleFreeError",
+    "FreeBlockQueue", "FullAttentionManager", "FullAttentionSpec", "HashBlockSizeMismatchError",
+    "InvalidDraftCountError", "InvalidSpecError", "InvalidTokenCountError", "KVCacheBlock", "KVCacheBlocks",
+    "KVCacheConfig", "KVCacheCoordinator", "KVCacheGroupSpec", "KVCacheSpec", "MambaCacheMode", "MambaKVError",
+    "MambaManager", "MambaSpec", "MambaStatePool", "ModelConfigError", "OutOfBlocksError", "PrefixCacheStats",
+    "Request", "SingleTypeKVCacheManager", "SlidingWindowManager", "SlidingWindowSpec", "StaleCacheHitError",
+    "TraceFormatError", "hash_block_tokens", "init_none_hash",
+]

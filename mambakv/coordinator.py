@@ -1,0 +1,359 @@
+"""KVCacheCoordinator: the one object an engine's scheduler drives, step by step.
+
+Per step, for each scheduled request (DESIGN.md section 6, docs/engine-integration.md)::
+
+    new request:   blocks, n = get_computed_blocks(request)
+                   allocate(request, num_new_tokens, num_new_computed_tokens=n, new_computed_blocks=blocks)
+    running:       allocate(request, num_new_tokens)              # None: no room, nothing changed
+    before forward: run take_copy_plan() (and zero take_zero_plan())
+    after verify:   accept_drafts(request_id, num_accepted)       # run the returned copies
+    outputs back:   retire(request_id, num_processed_tokens)      # settled tokens only
+    finished / preempted: free(request_id)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from mambakv.block import KVCacheBlock
+from mambakv.block_pool import BlockPool
+from mambakv.errors import (HashBlockSizeMismatchError, InvalidTokenCountError, MambaKVError,
+                            StaleCacheHitError)
+from mambakv.managers import MambaManager, SingleTypeKVCacheManager, make_manager
+from mambakv.managers.base import group_block_hashes
+from mambakv.request import Request
+from mambakv.spec import KVCacheConfig
+
+
+@dataclass
+class KVCacheBlocks:
+    """Blocks per KV-cache group, in config order: ``blocks[g]`` is group g's list."""
+
+    blocks: tuple[list[KVCacheBlock], ...]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in group] for group in self.blocks)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups: requests looked up, tokens queried and tokens hit."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass
+class _LookupGroup:
+    """Groups that share one spec: one hit lookup serves all of them."""
+
+    manager_class: type[SingleTypeKVCacheManager]
+    group_ids: list[int]
+    spec: object = field(repr=False)
+
+
+class KVCacheCoordinator:
+    """One BlockPool shared by all groups, one manager per group.
+
+    Args:
+        kv_cache_config: ``num_blocks`` (block 0 is the null block) and the groups.
+        max_model_len: most tokens a request may reach; more raises InvalidTokenCountError.
+        enable_caching: prefix caching; when False hits are always empty.
+        use_eagle: back the hit off once by one aligned length (EAGLE/MTP drafters recompute
+            the last hit position).
+        hash_block_size: tokens per request hash block; None = the smallest group block size.
+            It must divide every group's block size.
+        enable_kv_cache_events: record KV events in the pool (``block_pool.take_events()``).
+
+    Raises:
+        HashBlockSizeMismatchError: `hash_block_size` does not divide a group's block size.
+        InvalidSpecError: a group's spec has no manager.
+    """
+
+    def __init__(self, kv_cache_config: KVCacheConfig, *, max_model_len: int, enable_caching: bool = True,
+                 use_eagle: bool = False, hash_block_size: int | None = None,
+                 enable_kv_cache_events: bool = False) -> None:
+        groups = kv_cache_config.kv_cache_groups
+        sizes = [g.kv_cache_spec.block_size for g in groups]
+        self.hash_block_size = min(sizes) if hash_block_size is None else hash_block_size
+        if self.hash_block_size <= 0 or any(s % self.hash_block_size for s in sizes):
+            raise HashBlockSizeMismatchError(f"hash_block_size {self.hash_block_size} must divide every block size {sizes}")
+        if max_model_len <= 0:
+            raise InvalidTokenCountError(f"max_model_len must be > 0, got {max_model_len}")
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.use_eagle = use_eagle
+        self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching, enable_kv_cache_events)
+        self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
+            make_manager(g.kv_cache_spec, self.block_pool, enable_caching=enable_caching, kv_cache_group_id=i)
+            for i, g in enumerate(groups)
+        )
+        self.mamba_managers = tuple(m for m in self.managers if isinstance(m, MambaManager))
+        self._publish_at_allocation = tuple(m for m in self.managers if m.publishes_at_allocation)
+        self._publish_at_retire = tuple(m for m in self.managers if not m.publishes_at_allocation)
+        #: hits must end on a multiple of every group's block size
+        self.alignment_tokens = math.lcm(*sizes)
+        self._lookup_groups = self._make_lookup_groups()
+        self._requests: dict[str, Request] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+        self.num_steps = 0
+
+    def _make_lookup_groups(self) -> list[_LookupGroup]:
+        # Full attention first: its hit is a prefix, cheap, and usually the shortest.
+        out: list[_LookupGroup] = []
+        for gid, m in enumerate(self.managers):
+            for lg in out:
+                if lg.manager_class is type(m) and lg.spec == m.kv_cache_spec:
+                    lg.group_ids.append(gid)
+                    break
+            else:
+                out.append(_LookupGroup(type(m), [gid], m.kv_cache_spec))
+        out.sort(key=lambda lg: lg.manager_class.__name__ != "FullAttentionManager")
+        return out
+
+    # ------------------------------------------------------------------ prefix hits
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The longest prefix of `request` cached in every group, capped at
+        ``num_tokens - 1`` (the last token is recomputed for its logits).
+
+        Each group may only shorten the candidate length; groups are re-queried until none
+        shortens it (fixed point), lengths aligned to the LCM of the block sizes. With
+        ``use_eagle``, the fixed point is then recomputed once from the next aligned length
+        below it. The blocks are not pinned until ``allocate``.
+
+        Returns ``(blocks per group, hit tokens)``.
+
+        Raises:
+            HashBlockSizeMismatchError: the request hashes with another block size.
+        """
+        request.set_hash_block_size(self.hash_block_size)
+        empty = KVCacheBlocks(tuple([] for _ in self.managers))
+        if not self.enable_caching:
+            return empty, 0
+        align = self.alignment_tokens
+        length = (request.num_tokens - 1) // align * align
+        hits, length = self._fixed_point(request, length)
+        if self.use_eagle and length > 0:
+            hits, length = self._fixed_point(request, length - align)
+        stats = self.prefix_cache_stats
+        stats.requests += 1
+        stats.queries += request.num_tokens
+        stats.hits += length
+        return (KVCacheBlocks(tuple(hits)) if length else empty), length
+
+    def _fixed_point(self, request: Request, length: int) -> tuple[list[list[KVCacheBlock]], int]:
+        """Query lookup groups round-robin until every one agrees on `length`."""
+        hits: list[list[KVCacheBlock]] = [[] for _ in self.managers]
+        groups = self._lookup_groups
+        n = len(groups)
+        agreed, i = 0, 0
+        while agreed < n and length > 0:
+            lg = groups[i % n]
+            bs = lg.spec.block_size  # type: ignore[attr-defined]
+            found = lg.manager_class.find_longest_cache_hit(
+                group_block_hashes(request, bs), length, lg.group_ids, self.block_pool, lg.spec,  # type: ignore[arg-type]
+                self.alignment_tokens)
+            for gid, blocks in zip(lg.group_ids, found):
+                hits[gid] = blocks
+            found_len = len(found[0]) * bs
+            agreed = 1 if found_len < length else agreed + 1
+            length = min(length, found_len)
+            i += 1
+        if length == 0:
+            return [[] for _ in self.managers], 0
+        return hits, length
+
+    # ------------------------------------------------------------------ allocation
+    def allocate(self, request: Request, num_new_tokens: int, *, num_new_computed_tokens: int = 0,
+                 new_computed_blocks: KVCacheBlocks | None = None,
+                 num_lookahead_tokens: int = 0) -> KVCacheBlocks | None:
+        """Make every group's table cover ``computed + num_new_tokens`` tokens.
+
+        ``computed = request.num_computed_tokens + num_new_computed_tokens``; tokens beyond
+        ``request.num_tokens`` are draft tokens under verification (never hashed; the Mamba
+        groups expect ``accept_drafts`` after the verify). `num_lookahead_tokens` reserves
+        attention slots for the drafter's next proposals (never Mamba blocks).
+
+        Returns the newly allocated blocks per group, or None when the pool cannot supply
+        them (hit blocks still in the free queue count too): then nothing changed. It never
+        retires.
+
+        Raises (nothing changed):
+            InvalidTokenCountError: ``num_new_tokens <= 0``, a negative count, or more than
+                ``max_model_len`` tokens.
+            StaleCacheHitError: a hit block was evicted and reused since ``get_computed_blocks``.
+            HashBlockSizeMismatchError: the request hashes with another block size.
+        """
+        if num_new_tokens <= 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
+            raise InvalidTokenCountError(
+                f"need num_new_tokens > 0 and non-negative counts, got {num_new_tokens}, "
+                f"{num_new_computed_tokens}, {num_lookahead_tokens}")
+        rid = request.request_id
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens = num_computed + num_new_tokens
+        if num_tokens > self.max_model_len:
+            raise InvalidTokenCountError(f"request {rid!r} would reach {num_tokens} tokens > max_model_len {self.max_model_len}")
+        request.set_hash_block_size(self.hash_block_size)
+        hits = self._checked_hits(request, new_computed_blocks)
+        managers = self.managers
+        need = 0
+        for m, hit in zip(managers, hits):
+            need += m.get_num_blocks_to_allocate(rid, num_tokens, hit, num_computed, num_lookahead_tokens)
+        if need > self.block_pool.get_num_free_blocks():
+            return None
+        num_drafts = max(0, num_tokens - request.num_tokens)
+        new_blocks = []
+        for m, hit in zip(managers, hits):
+            if hit:
+                m.add_computed_blocks(rid, hit)
+            if isinstance(m, MambaManager):
+                new_blocks.append(m.allocate_new_blocks(rid, num_tokens, num_lookahead_tokens,
+                                                        num_draft_tokens=num_drafts))
+            else:
+                new_blocks.append(m.allocate_new_blocks(rid, num_tokens, num_lookahead_tokens))
+        self._requests[rid] = request
+        if self.enable_caching:
+            num_real = min(num_tokens, request.num_tokens)
+            for m in self._publish_at_allocation:
+                m.cache_blocks(request, num_real)
+        return KVCacheBlocks(tuple(new_blocks))
+
+    def _checked_hits(self, request: Request,
+                      new_computed_blocks: KVCacheBlocks | None) -> Sequence[Sequence[KVCacheBlock]]:
+        """The hit lists, after checking that every hit block still carries the hash of its
+        slot in its group (it was not evicted and reused since the lookup)."""
+        if new_computed_blocks is None or not any(new_computed_blocks.blocks):
+            return [()] * len(self.managers)
+        hits = new_computed_blocks.blocks
+        if len(hits) != len(self.managers):
+            raise MambaKVError(f"new_computed_blocks has {len(hits)} groups, the config {len(self.managers)}")
+        for gid, (m, hit) in enumerate(zip(self.managers, hits)):
+            if hit and request.request_id in m.req_to_blocks and m.req_to_blocks[request.request_id]:
+                raise MambaKVError(f"request {request.request_id!r} already holds blocks; hits are for new requests")
+            keys = group_block_hashes(request, m.block_size) if hit else ()
+            for slot, block in enumerate(hit):
+                if block.is_null:
+                    continue
+                if slot >= len(keys) or block.block_hash != keys[slot] or block.cache_group_id != gid:
+                    raise StaleCacheHitError(
+                        f"hit block {block.block_id} (group {gid}, slot {slot}) was evicted and reused "
+                        f"since get_computed_blocks; look the request up again")
+        return hits
+
+    # ------------------------------------------------------------------ step results
+    def retire(self, request_id: str, num_processed_tokens: int) -> None:
+        """Outputs came back: `num_processed_tokens` (settled, never the optimistic scheduled
+        count) of the request are processed. First publish the Mamba states that are now
+        known, then retire what no group needs any more. Idempotent; a request holding no
+        blocks is a no-op.
+
+        Raises:
+            InvalidTokenCountError: a negative count, or more than the request's tokens.
+        """
+        if num_processed_tokens < 0:
+            raise InvalidTokenCountError(f"num_processed_tokens must be >= 0, got {num_processed_tokens}")
+        request = self._requests.get(request_id)
+        if request is None or num_processed_tokens == 0:
+            return
+        if num_processed_tokens > request.num_tokens:
+            raise InvalidTokenCountError(
+                f"request {request_id!r} has {request.num_tokens} tokens, cannot have processed {num_processed_tokens}")
+        if self.enable_caching:
+            for m in self._publish_at_retire:
+                m.cache_blocks(request, num_processed_tokens)
+        for m in self.managers:
+            m.remove_skipped_blocks(request_id, num_processed_tokens)
+
+    def accept_drafts(self, request_id: str, num_accepted: int) -> dict[int, list[tuple[int, int]]]:
+        """After a verify step: per Mamba group, the copies (accepted scratch -> running
+        block) to run after the step's forward. See MambaManager.accept_drafts.
+
+        Raises:
+            InvalidDraftCountError: `num_accepted` outside the step's draft count.
+        """
+        out: dict[int, list[tuple[int, int]]] = {}
+        for m in self.mamba_managers:
+            pairs = m.accept_drafts(request_id, num_accepted)
+            if pairs:
+                out[m.kv_cache_group_id] = pairs
+        return out
+
+    def free(self, request_id: str) -> None:
+        """A request finished or is preempted: free every group's table and drop all of its
+        bookkeeping. Unknown ids are a no-op."""
+        for m in self.managers:
+            m.free(request_id)
+        self._requests.pop(request_id, None)
+
+    def preempt_all(self) -> list[str]:
+        """Free every request (the engine re-queues them to recompute) and return their ids,
+        so that ``reset_prefix_cache`` can succeed with requests running."""
+        ids = list(self._requests)
+        for rid in ids:
+            self.free(rid)
+        return ids
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash; False (nothing changed) while any block is in use. To reset
+        with requests running, call ``preempt_all()`` first."""
+        return self.block_pool.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ queries
+    def new_step(self) -> None:
+        """Mark a scheduling step (statistics only; hits never depend on it)."""
+        self.num_steps += 1
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """Block ids of the request's table in every group (null entries are 0)."""
+        return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.managers)
+
+    def take_copy_plan(self) -> dict[int, list[tuple[int, int]]]:
+        """Per Mamba group with copies: ``(src, dst)`` block ids to run before the forward."""
+        out = {}
+        for m in self.mamba_managers:
+            plan = m.take_copy_plan()
+            if plan:
+                out[m.kv_cache_group_id] = plan
+        return out
+
+    def take_zero_plan(self) -> dict[int, list[int]]:
+        """Per Mamba group: running blocks that start with no initial state (zero them)."""
+        out = {}
+        for m in self.mamba_managers:
+            plan = m.take_zero_plan()
+            if plan:
+                out[m.kv_cache_group_id] = plan
+        return out
+
+    @property
+    def num_running_requests(self) -> int:
+        return len(self._requests)
+
+    def check_invariants(self) -> None:
+        """Pool and per-manager invariants, plus: every held block's ref count equals the
+        number of tables holding it; free + held == num_blocks - 1."""
+        pool = self.block_pool
+        pool.check_invariants()
+        holders: dict[int, int] = {}
+        for m in self.managers:
+            m.check_invariants()
+            for blocks in m.req_to_blocks.values():
+                for b in blocks:
+                    if not b.is_null:
+                        holders[b.block_id] = holders.get(b.block_id, 0) + 1
+        for bid, n in holders.items():
+            assert pool.blocks[bid].ref_cnt == n, f"block {bid}: ref {pool.blocks[bid].ref_cnt} != {n} tables"
+        assert pool.get_num_free_blocks() + len(holders) == pool.num_blocks - 1, "blocks leaked"
+        for rid in self._requests:
+            assert any(rid in m.req_to_blocks for m in self.managers), f"{rid}: request kept without blocks"
