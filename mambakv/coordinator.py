@@ -102,6 +102,9 @@ class KVCacheCoordinator:
         self.mamba_managers = tuple(m for m in self.managers if isinstance(m, MambaManager))
         self._publish_at_allocation = tuple(m for m in self.managers if m.publishes_at_allocation)
         self._publish_at_retire = tuple(m for m in self.managers if not m.publishes_at_allocation)
+        self._retiring = tuple(m for m in self.managers if m.retires)
+        self._no_hits: tuple[tuple[()], ...] = ((),) * len(self.managers)
+        self._empty_blocks = KVCacheBlocks(tuple([] for _ in self.managers))
         #: hits must end on a multiple of every group's block size
         self.alignment_tokens = math.lcm(*sizes)
         self._lookup_groups = self._make_lookup_groups()
@@ -185,9 +188,9 @@ class KVCacheCoordinator:
         groups expect ``accept_drafts`` after the verify). `num_lookahead_tokens` reserves
         attention slots for the drafter's next proposals (never Mamba blocks).
 
-        Returns the newly allocated blocks per group, or None when the pool cannot supply
-        them (hit blocks still in the free queue count too): then nothing changed. It never
-        retires.
+        Returns the newly allocated blocks per group (a shared empty result when no group got a
+        block: do not mutate it), or None when the pool cannot supply them (hit blocks still in
+        the free queue count too): then nothing changed. It never retires.
 
         Raises (nothing changed):
             InvalidTokenCountError: ``num_new_tokens <= 0``, a negative count, or more than
@@ -204,30 +207,36 @@ class KVCacheCoordinator:
         num_tokens = num_computed + num_new_tokens
         if num_tokens > self.max_model_len:
             raise InvalidTokenCountError(f"request {rid!r} would reach {num_tokens} tokens > max_model_len {self.max_model_len}")
-        request.set_hash_block_size(self.hash_block_size)
-        hits = self._checked_hits(request, new_computed_blocks)
+        if request.hash_block_size != self.hash_block_size:
+            request.set_hash_block_size(self.hash_block_size)
+        if new_computed_blocks is None:
+            hits: Sequence[Sequence[KVCacheBlock]] = self._no_hits
+        else:
+            hits = self._checked_hits(request, new_computed_blocks)
         managers = self.managers
         need = 0
         for m, hit in zip(managers, hits):
             need += m.get_num_blocks_to_allocate(rid, num_tokens, hit, num_computed, num_lookahead_tokens)
-        if need > self.block_pool.get_num_free_blocks():
+        if need > self.block_pool.free_block_queue.num_free_blocks:
             return None
-        num_drafts = max(0, num_tokens - request.num_tokens)
+        num_drafts = num_tokens - request.num_tokens
+        if num_drafts < 0:
+            num_drafts = 0
         new_blocks = []
+        any_new = False
         for m, hit in zip(managers, hits):
             if hit:
                 m.add_computed_blocks(rid, hit)
-            if isinstance(m, MambaManager):
-                new_blocks.append(m.allocate_new_blocks(rid, num_tokens, num_lookahead_tokens,
-                                                        num_draft_tokens=num_drafts))
-            else:
-                new_blocks.append(m.allocate_new_blocks(rid, num_tokens, num_lookahead_tokens))
+            blocks = m.allocate_new_blocks(rid, num_tokens, num_lookahead_tokens, num_draft_tokens=num_drafts)
+            new_blocks.append(blocks)
+            any_new = any_new or bool(blocks)
         self._requests[rid] = request
         if self.enable_caching:
-            num_real = min(num_tokens, request.num_tokens)
+            num_real = num_tokens if num_drafts == 0 else request.num_tokens
             for m in self._publish_at_allocation:
                 m.cache_blocks(request, num_real)
-        return KVCacheBlocks(tuple(new_blocks))
+        # Most decode steps need no block: hand out one shared empty result (do not mutate it).
+        return KVCacheBlocks(tuple(new_blocks)) if any_new else self._empty_blocks
 
     def _checked_hits(self, request: Request,
                       new_computed_blocks: KVCacheBlocks | None) -> Sequence[Sequence[KVCacheBlock]]:
@@ -272,7 +281,7 @@ class KVCacheCoordinator:
         if self.enable_caching:
             for m in self._publish_at_retire:
                 m.cache_blocks(request, num_processed_tokens)
-        for m in self.managers:
+        for m in self._retiring:
             m.remove_skipped_blocks(request_id, num_processed_tokens)
 
     def accept_drafts(self, request_id: str, num_accepted: int) -> dict[int, list[tuple[int, int]]]:

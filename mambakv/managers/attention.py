@@ -19,6 +19,8 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         cached?   y  y  y  n  y          hit = [b0, b1, b2]
     """
 
+    retires = False
+
     @classmethod
     def _find_hit(cls, block_hashes: Sequence[bytes], max_length: int, kv_cache_group_ids: Sequence[int],
                   block_pool: BlockPool, kv_cache_spec: KVCacheSpec,

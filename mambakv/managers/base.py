@@ -120,6 +120,8 @@ class SingleTypeKVCacheManager(ABC):
     #: True when full blocks are published at allocation (attention: KV is written before it
     #: is read). Mamba states are published by ``cache_blocks`` with *processed* tokens.
     publishes_at_allocation = True
+    #: False when nothing is ever retired (full attention): the coordinator skips the call.
+    retires = True
     state_class: type[RequestBlocks] = RequestBlocks
 
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, *, enable_caching: bool = True,
@@ -151,9 +153,11 @@ class SingleTypeKVCacheManager(ABC):
         ``allocate_new_blocks(num_tokens, num_lookahead_tokens)`` will consume: new blocks plus
         hit blocks still in the free queue (touching one takes it out)."""
         st = self._reqs.get(request_id)
-        held = (len(st.blocks) if st is not None else 0) + len(new_computed_blocks)
-        required = cdiv(num_tokens + num_lookahead_tokens, self.block_size)
-        return max(0, required - held) + _num_evictable(new_computed_blocks)
+        held = len(st.blocks) if st is not None else 0
+        missing = -((num_tokens + num_lookahead_tokens) // -self.block_size) - held
+        if new_computed_blocks:
+            return max(0, missing - len(new_computed_blocks)) + _num_evictable(new_computed_blocks)
+        return missing if missing > 0 else 0
 
     def add_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]) -> None:
         """A new request's prefix hit: touch the hit blocks and start its table with them."""
@@ -165,12 +169,14 @@ class SingleTypeKVCacheManager(ABC):
         st.blocks.extend(new_computed_blocks)
         st.num_cached_blocks = len(st.blocks)
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_lookahead_tokens: int = 0) -> list[KVCacheBlock]:
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_lookahead_tokens: int = 0, *,
+                            num_draft_tokens: int = 0) -> list[KVCacheBlock]:
         """Grow the table to cover ``num_tokens + num_lookahead_tokens`` tokens; return the new
         blocks (empty if it already does). Raises OutOfBlocksError (nothing changed) if the
-        pool is short; the coordinator counts first so that never happens."""
-        st = self._state(request_id)
-        n = cdiv(num_tokens + num_lookahead_tokens, self.block_size) - len(st.blocks)
+        pool is short; the coordinator counts first so that never happens.
+        `num_draft_tokens` (unverified drafts among the tokens) matters to Mamba groups only."""
+        st = self._reqs.get(request_id) or self._state(request_id)
+        n = -((num_tokens + num_lookahead_tokens) // -self.block_size) - len(st.blocks)
         if n <= 0:
             return []
         new = self.block_pool.get_new_blocks(n)
@@ -183,10 +189,11 @@ class SingleTypeKVCacheManager(ABC):
         st = self._reqs.get(request.request_id)
         if st is None or not self.enable_caching:
             return
-        num_full = min(num_tokens // self.block_size, len(st.blocks))
+        num_full = num_tokens // self.block_size
         start = st.num_cached_blocks
         if num_full <= start:
-            return
+            return  # the common decode step: no block became full
+        num_full = min(num_full, len(st.blocks))
         keys = group_block_hashes(request, self.block_size)
         num_full = min(num_full, len(keys))
         if num_full <= start:
@@ -219,6 +226,8 @@ class SingleTypeKVCacheManager(ABC):
         if st is None:
             return
         num_slots = self.get_num_skipped_tokens(num_processed_tokens) // self.block_size
+        if num_slots <= st.retired_below:
+            return  # the common decode step: nothing new to retire
         freed = self._retire_below(st, num_slots)
         if freed:
             self.block_pool.free_blocks(freed)

@@ -74,7 +74,8 @@ class MambaManager(SingleTypeKVCacheManager):
         super().__init__(kv_cache_spec, block_pool, **kwargs)
         self.mode = kv_cache_spec.mode
         self.num_speculative_blocks = kv_cache_spec.num_speculative_blocks
-        if self.mode is MambaCacheMode.NONE:
+        self._align = self.mode is MambaCacheMode.ALIGN
+        if not self._align:
             self.enable_caching = False
         self._copy_plan: list[tuple[int, int]] = []
         self._zero_plan: list[int] = []
@@ -88,11 +89,11 @@ class MambaManager(SingleTypeKVCacheManager):
         running slot moves past the table, else 0. Lookahead tokens never add blocks."""
         st = self._reqs.get(request_id)
         if st is None or st.running_slot < 0:
-            return 1 + self.num_speculative_blocks + _num_evictable(new_computed_blocks)
-        if self.mode is MambaCacheMode.NONE:
-            return 0
-        required = running_slot(num_tokens, self.block_size) + 1 + self.num_speculative_blocks
-        return 1 if len(st.blocks) < required else 0
+            evictable = _num_evictable(new_computed_blocks) if new_computed_blocks else 0
+            return 1 + self.num_speculative_blocks + evictable
+        if self._align and -(num_tokens // -self.block_size) > st.running_slot + 1:
+            return 1  # the running slot moves on: exactly one block is missing (see allocate)
+        return 0
 
     # ------------------------------------------------------------------ allocation
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_lookahead_tokens: int = 0, *,
@@ -112,12 +113,16 @@ class MambaManager(SingleTypeKVCacheManager):
         """
         if num_tokens <= 0 or num_draft_tokens < 0:
             raise InvalidTokenCountError(f"num_tokens must be > 0 and drafts >= 0, got {num_tokens}, {num_draft_tokens}")
-        st = self._state(request_id)
+        st = self._reqs.get(request_id) or self._state(request_id)
         S = self.num_speculative_blocks
-        if self.mode is MambaCacheMode.NONE:
-            if st.running_slot >= 0:
-                self._record_step(st, st.running_slot, num_tokens, num_draft_tokens)
-                return []
+        running = -(num_tokens // -self.block_size) - 1 if self._align else 0
+        if running == st.running_slot:
+            # The common decode step: the running state advances in place (unless it is
+            # already published, i.e. fewer tokens than before were asked for).
+            if st.blocks[running].block_hash is None:
+                self._record_step(st, running, num_tokens, num_draft_tokens)
+            return []
+        if not self._align:  # mode NONE: a new request gets its running + scratch blocks
             new = self.block_pool.get_new_blocks(1 + S)
             st.blocks.extend(new)
             self._zero_plan.append(new[0].block_id)
@@ -125,7 +130,6 @@ class MambaManager(SingleTypeKVCacheManager):
             return new
 
         blocks = st.blocks
-        running = running_slot(num_tokens, self.block_size)
         if st.running_slot < 0:
             # New request: a hit table is [null, ..., H]; H is the state to resume from.
             source = len(blocks) - 1
@@ -137,9 +141,6 @@ class MambaManager(SingleTypeKVCacheManager):
             self._relocate_scratch_blocks(blocks, source, running)
             new = self.block_pool.get_new_blocks(running + 1 + S - len(blocks))
             assert len(new) == 1
-        elif running == st.running_slot and blocks[running].block_hash is None and num_tokens > 0:
-            self._record_step(st, running, num_tokens, num_draft_tokens)  # in-place step
-            return []
         else:
             return []  # fewer tokens than the table covers (or a published state): no-op
         blocks.extend(new)
@@ -224,20 +225,22 @@ class MambaManager(SingleTypeKVCacheManager):
         boundary ``(slot + 1) * block_size``; other settled tags are dropped. Scratch blocks
         and nulls are never published."""
         st = self._reqs.get(request.request_id)
-        if st is None or not st.positions:
+        if st is None:
+            return
+        positions = st.positions
+        if not positions:
             return
         bs = self.block_size
-        settled = [(s, p) for s, p in st.positions.items() if p <= num_tokens]
-        if not settled:
-            return
-        keys = group_block_hashes(request, bs) if self.enable_caching else ()
-        blocks = st.blocks
-        for slot, pos in settled:
-            del st.positions[slot]
-            block = blocks[slot]
-            if pos == (slot + 1) * bs and slot < len(keys) and block is not self.null_block:
-                self.block_pool.cache_full_blocks([block], [keys[slot]], self.kv_cache_group_id,
-                                                  block_size=bs)
+        keys: Sequence[bytes] | None = None
+        for slot, pos in [(s, p) for s, p in positions.items() if p <= num_tokens]:
+            del positions[slot]
+            if pos != (slot + 1) * bs or not self.enable_caching:
+                continue  # settled off its boundary (or no caching): nothing to publish
+            block = st.blocks[slot]
+            if keys is None:
+                keys = group_block_hashes(request, bs)
+            if slot < len(keys) and block is not self.null_block:
+                self.block_pool.cache_full_blocks([block], [keys[slot]], self.kv_cache_group_id, block_size=bs)
 
     def get_num_skipped_tokens(self, num_processed_tokens: int) -> int:
         """Only the last state matters: ``n - 1`` tokens are skipped (none in mode NONE)."""
