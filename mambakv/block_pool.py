@@ -18,12 +18,13 @@ append-only and never de-duplicated).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Union
 
 from mambakv.block import FreeBlockQueue, KVCacheBlock
-from mambakv.errors import DoubleFreeError, InvalidTokenCountError, OutOfBlocksError
+from mambakv.errors import DoubleFreeError, InvalidBlockError, InvalidTokenCountError, OutOfBlocksError
 
 
 @dataclass(frozen=True)
@@ -131,10 +132,26 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Ref count +1 for each block (a prefix hit); a block at 0 leaves the free queue
-        first. The null block is skipped."""
+        first. The null block is skipped (it may repeat: ``[null, null, b2, b3]``).
+
+        Raises:
+            InvalidBlockError: a real block is listed twice (the table would hold it twice and
+                could never be freed); nothing changes.
+        """
+        if not isinstance(blocks, (list, tuple)):
+            blocks = list(blocks)
+        if len(blocks) > 1:
+            # Blocks hash by identity: two C-level passes, no Python loop.
+            nulls = blocks.count(self.null_block)
+            if len(set(blocks)) != len(blocks) - (nulls - 1 if nulls else 0):
+                seen: set[int] = set()
+                dup = next(b for b in blocks if not b.is_null and (b.block_id in seen or seen.add(b.block_id)))
+                raise InvalidBlockError(f"block {dup.block_id} listed more than once in one touch call")
         remove = self.free_block_queue.remove
         for block in blocks:
-            if block.ref_cnt == 0 and not block.is_null:
+            if block.ref_cnt == 0:  # the null block's ref count stays 0: this branch skips it
+                if block.is_null:
+                    continue
                 remove(block)
             block.ref_cnt += 1
 
@@ -230,8 +247,23 @@ class BlockPool:
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop these blocks' hashes (e.g. their data was lost); the blocks stay where they
-        are (held or queued). Unhashed and null blocks are ignored."""
+        are (held or queued). Unhashed and null blocks, and repeated ids, are ignored.
+
+        Raises:
+            InvalidBlockError: an id outside ``0 .. num_blocks - 1`` (a negative id would
+                otherwise index from the end); nothing changes.
+        """
+        n = self.num_blocks
+        ids = []
         for block_id in block_ids:
+            try:
+                i = operator.index(block_id)  # ints and numpy integers; not floats
+            except TypeError:
+                raise InvalidBlockError(f"block id {block_id!r} is not an integer") from None
+            if not 0 <= i < n:
+                raise InvalidBlockError(f"block id {block_id!r} outside 0..{n - 1}")
+            ids.append(i)
+        for block_id in ids:
             block = self.blocks[block_id]
             if block.block_hash is not None and not block.is_null:
                 self._evict(block)
@@ -266,6 +298,7 @@ class BlockPool:
         null = self.null_block
         assert null.block_id == 0 and null.is_null and null.block_hash is None
         assert null.prev_free_block is None and null.next_free_block is None, "null block queued"
+        assert null.ref_cnt == 0, f"null block ref count {null.ref_cnt}"
         queued = {b.block_id for b in q.get_all_free_blocks()}
         assert 0 not in queued
         mapped = 0
