@@ -1,0 +1,203 @@
+"""The ``mambakv`` command: replay workloads through the library as an engine drives it.
+
+    mambakv replay                      # the 480,031-token prefill on Qwen3-Next-80B-A3B
+    mambakv trace TRACE.jsonl --limit 2000 [--one-at-a-time] [--json]
+    mambakv chat --conversations 16 --turns 4
+    mambakv models
+
+Every number printed is explained in docs/replay.md.  Bad input (missing file, malformed
+trace line, unknown model, a pool too small for one request) prints one line on stderr and
+exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from mambakv.errors import MambaKVError
+
+MIB = 1 << 20
+
+
+def _add_common(p: argparse.ArgumentParser, *, in_flight: int, spec_tokens: int) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="packaged model name (see `mambakv models`); "
+                     "default qwen3-next-80b-a3b")
+    src.add_argument("--config", default=None, metavar="CONFIG_JSON", help="a Hugging Face config.json")
+    p.add_argument("--memory-gib", type=float, default=60.0, help="KV-cache + state memory (GiB, default 60)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step (default 8192)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most running requests (default 256)")
+    p.add_argument("--num-speculative-tokens", type=int, default=spec_tokens,
+                   help=f"draft tokens per decode step (default {spec_tokens})")
+    p.add_argument("--acceptance-rate", type=float, default=0.7, help="chance each next draft is accepted")
+    p.add_argument("--in-flight", type=int, default=in_flight,
+                   help=f"async lag: steps whose results are not processed yet (default {in_flight})")
+    p.add_argument("--use-eagle", action="store_true", help="EAGLE/MTP back-off of prefix hits")
+    p.add_argument("--step-ms", type=float, default=10.0, help="step clock: fixed ms per step (default 10)")
+    p.add_argument("--ms-per-token", type=float, default=0.05, help="step clock: ms per scheduled token (0.05)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--plot", metavar="PNG", default=None,
+                   help="write blocks in use per group and the running hit rate over time (needs matplotlib)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mambakv", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("replay", help="one long prefill (default 480,031 tokens): Mamba blocks per request")
+    _add_common(p, in_flight=2, spec_tokens=5)
+    p.add_argument("--prompt-tokens", type=int, default=480_031)
+    p.add_argument("--output-tokens", type=int, default=4)
+    p = sub.add_parser("trace", help="a Mooncake JSONL trace: hit rate, peaks, preemptions, time")
+    p.add_argument("path", help="trace file (one JSON object per line)")
+    _add_common(p, in_flight=0, spec_tokens=0)
+    p.add_argument("--limit", type=int, default=None, help="first N requests")
+    p.add_argument("--one-at-a-time", action="store_true", help="each request alone, in arrival order")
+    p.add_argument("--max-output-tokens", type=int, default=None, help="cap each request's output length")
+    p = sub.add_parser("chat", help="multi-turn conversations (each turn extends the previous one)")
+    _add_common(p, in_flight=0, spec_tokens=0)
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--one-at-a-time", action="store_true")
+    p = sub.add_parser("models", help="the packaged model configs")
+    p.add_argument("--json", action="store_true")
+    return parser
+
+
+# --------------------------------------------------------------------------- output
+def format_report(d: dict[str, Any]) -> str:
+    """The text report of a run (see docs/replay.md for every number)."""
+    lines = [f"model {d['model']}: {d['num_blocks']:,} blocks x {d['bytes_per_block'] / MIB:.2f} MiB "
+             f"({d['memory_gib']:g} GiB); budget {d['max_num_batched_tokens']} tokens/step, "
+             f"{d['num_speculative_tokens']} speculative tokens, {d['in_flight']} steps in flight"]
+    header = ("group", "kind", "layers", "block", "peak blocks", "peak MiB", "Mamba blocks/request")
+    rows = [header]
+    for i, g in enumerate(d["groups"]):
+        per_req = g["peak_mamba_blocks_per_request"]
+        rows.append((str(i), g["kind"], str(g["num_layers"]), str(g["block_size"]), f"{g['peak_blocks']:,}",
+                     f"{g['peak_bytes'] / MIB:,.1f}", "-" if per_req is None else str(per_req)))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    for k, r in enumerate(rows):
+        lines.append("  ".join(cell.ljust(w) if c == 1 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths))))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append(f"pool peak {d['peak_blocks']:,} blocks ({d['peak_bytes'] / MIB:,.1f} MiB); "
+                 f"all blocks returned: {'yes' if d['blocks_returned'] else 'NO'}")
+    lines.append(f"requests {d['finished']:,}/{d['requests']:,} finished; prompt {d['prompt_tokens']:,} tokens, "
+                 f"cached {d['cached_tokens']:,}, hit rate {d['hit_rate']:.4f}; output {d['output_tokens']:,} tokens")
+    lines.append(f"preemptions {d['preemptions']:,}; evictions {d['evictions']:,}; state copies {d['state_copies']:,}")
+    lines.append(f"steps {d['steps']:,}; simulated {d['sim_clock_ms'] / 1e3:,.2f} s; wall {d['wall_s']:.2f} s, "
+                 f"in the library {d['library_s'] * 1e3:,.1f} ms ({d['library_us_per_step']:.1f} us/step)")
+    return "\n".join(lines)
+
+
+def _progress(total: int, quiet: bool) -> Any:
+    if quiet or total < 2 or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
+
+
+def _check_plot_available(path: str | None) -> None:
+    if path is None:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise MambaKVError("--plot needs matplotlib: pip install 'mambakv[plot]' (or pip install matplotlib)") from None
+
+
+def write_plot(result: Any, path: str) -> None:
+    """PNG: blocks in use per group (left axis) and the running hit rate (right), per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = result.metrics.series
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    steps = [s[0] for s in series]
+    for gid, g in enumerate(result.metrics.groups):
+        ax.step(steps, [s[2][gid] for s in series], where="post", label=f"group {gid} ({g.kind})")
+    ax.set_xlabel("scheduler step")
+    ax.set_ylabel("blocks in use")
+    ax2 = ax.twinx()
+    ax2.plot(steps, [s[3] for s in series], color="black", linestyle="--", label="hit rate (running)")
+    ax2.set_ylabel("prefix-cache hit rate")
+    ax2.set_ylim(0, 1)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, loc="upper left", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- commands
+def _run(args: argparse.Namespace) -> dict[str, Any]:
+    from mambakv.sim import DEFAULT_MODEL, conversations, load_trace, run_conversations, run_replay, run_trace
+
+    _check_plot_available(args.plot)
+    model = args.config or args.model or DEFAULT_MODEL
+    common = dict(max_num_batched_tokens=args.max_num_batched_tokens, num_speculative_tokens=args.num_speculative_tokens,
+                  in_flight=args.in_flight, memory_gib=args.memory_gib, use_eagle=args.use_eagle, seed=args.seed,
+                  acceptance_rate=args.acceptance_rate, step_ms=args.step_ms, ms_per_token=args.ms_per_token)
+    bar = None
+    try:
+        if args.command == "replay":
+            result = run_replay(model, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+                                max_num_seqs=args.max_num_seqs, **common)
+        else:
+            if args.command == "trace":
+                specs = load_trace(args.path, limit=args.limit, max_output_tokens=args.max_output_tokens)
+            else:
+                specs = conversations(args.conversations, args.turns, seed=args.seed)
+            bar = _progress(len(specs), args.quiet)
+            on_finish = (lambda _r: bar.update(1)) if bar is not None else None
+            if args.command == "trace":
+                result = run_trace(args.path, model, specs=specs, limit=args.limit, max_num_seqs=args.max_num_seqs,
+                                   one_at_a_time=args.one_at_a_time, on_finish=on_finish, **common)
+            else:
+                result = run_conversations(model, num_conversations=args.conversations, turns=args.turns, specs=specs,
+                                           max_num_seqs=args.max_num_seqs, one_at_a_time=args.one_at_a_time,
+                                           on_finish=on_finish, **common)
+    finally:
+        if bar is not None:
+            bar.close()
+    if args.plot:
+        write_plot(result, args.plot)
+    return result.to_dict()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``mambakv``; returns the exit status (0 ok, 2 bad input)."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "models":
+            from mambakv.models import format_models_table, list_models, model_info
+
+            if args.json:
+                print(json.dumps([model_info(n).__dict__ for n in list_models()], indent=1))
+            else:
+                print(format_models_table())
+            return 0
+        d = _run(args)
+    except (MambaKVError, OSError) as e:
+        msg = " ".join(str(e).split())
+        print(f"mambakv: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("mambakv: interrupted", file=sys.stderr)
+        return 130
+    print(json.dumps(d, indent=1) if args.json else format_report(d))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Metrics of a simulated run: peaks per group, prefix hits, preemptions, time in the library."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mambakv.coordinator import KVCacheCoordinator
+from mambakv.managers import MambaManager
+
+__all__ = ["GroupMetrics", "SimMetrics", "group_kind", "group_usage"]
+
+
+def group_kind(manager: object) -> str:
+    """``"full_attention"``, ``"sliding_window"`` or ``"mamba"`` (the manager's class)."""
+    name = type(manager).__name__
+    return {"FullAttentionManager": "full_attention", "SlidingWindowManager": "sliding_window",
+            "MambaManager": "mamba"}.get(name, name)
+
+
+def group_usage(coord: KVCacheCoordinator) -> list[int]:
+    """Distinct non-null blocks held by the tables of each group (shared blocks count once).
+    Cost: O(total table entries)."""
+    out = []
+    for m in coord.managers:
+        ids = {b.block_id for table in m.req_to_blocks.values() for b in table}
+        ids.discard(0)
+        out.append(len(ids))
+    return out
+
+
+@dataclass
+class GroupMetrics:
+    """One KV-cache group.
+
+    Attributes:
+        kind: ``full_attention`` / ``sliding_window`` / ``mamba``.
+        block_size: tokens per block.
+        num_layers: layers in the group.
+        block_bytes: bytes one block holds for this group: ``page_size_bytes x num_layers``.
+        peak_blocks: most blocks the group's tables held at once (after an allocation).
+        peak_mamba_blocks_per_request: Mamba only: most non-null blocks one request's table
+            held at once (the bound is ``2 + nspec + steps in flight``); None otherwise.
+    """
+
+    kind: str
+    block_size: int
+    num_layers: int
+    block_bytes: int
+    peak_blocks: int = 0
+    peak_mamba_blocks_per_request: int | None = None
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak_blocks * self.block_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "block_size": self.block_size, "num_layers": self.num_layers,
+                "block_bytes": self.block_bytes, "peak_blocks": self.peak_blocks,
+                "peak_bytes": self.peak_bytes,
+                "peak_mamba_blocks_per_request": self.peak_mamba_blocks_per_request}
+
+
+@dataclass
+class SimMetrics:
+    """Counters of one scheduler run (tokens, blocks, seconds).
+
+    ``prompt_tokens`` / ``cached_tokens`` count each request once, at its first admission
+    (a recompute after preemption is not counted again); ``hit_rate = cached / prompt``.
+    ``library_s`` is ``time.perf_counter`` time inside coordinator calls; ``pool_s`` inside
+    ``MambaStatePool`` copies.  ``series`` samples ``(step, clock_ms, blocks per group,
+    running hit rate)`` whenever an allocation may have changed the usage.
+    """
+
+    groups: list[GroupMetrics]
+    steps: int = 0
+    requests: int = 0
+    finished: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    scheduled_tokens: int = 0
+    preemptions: int = 0
+    peak_blocks: int = 0
+    peak_running: int = 0
+    copies: int = 0
+    library_s: float = 0.0
+    pool_s: float = 0.0
+    wall_s: float = 0.0
+    clock_ms: float = 0.0
+    series: list[tuple[int, float, tuple[int, ...], float]] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def observe_usage(self, coord: KVCacheCoordinator) -> None:
+        """Update per-group and pool peaks from the current tables (call after allocations)."""
+        usage = group_usage(coord)
+        for g, n in zip(self.groups, usage):
+            if n > g.peak_blocks:
+                g.peak_blocks = n
+        pool = coord.block_pool
+        used = pool.num_blocks - 1 - pool.get_num_free_blocks()
+        if used > self.peak_blocks:
+            self.peak_blocks = used
+        self.series.append((self.steps, self.clock_ms, tuple(usage), self.hit_rate))
+
+    def observe_mamba(self, manager: MambaManager, request_id: str) -> None:
+        g = self.groups[manager.kv_cache_group_id]
+        held = manager.num_held_blocks(request_id)
+        if g.peak_mamba_blocks_per_request is None or held > g.peak_mamba_blocks_per_request:
+            g.peak_mamba_blocks_per_request = held
+
+    @classmethod
+    def for_coordinator(cls, coord: KVCacheCoordinator) -> SimMetrics:
+        groups = []
+        for m, g in zip(coord.managers, coord.kv_cache_config.kv_cache_groups):
+            spec = g.kv_cache_spec
+            groups.append(GroupMetrics(group_kind(m), spec.block_size, len(g.layer_names),
+                                       spec.page_size_bytes * len(g.layer_names),
+                                       peak_mamba_blocks_per_request=0 if isinstance(m, MambaManager) else None))
+        return cls(groups)

@@ -1,0 +1,124 @@
+"""Engine-side request state and the processing of a step's results (``Scheduler``'s base).
+
+When a step's outputs come back (``lag`` steps after it was scheduled), for each request of
+the step, oldest step first::
+
+    drafts:   a = seeded acceptance count; accept_drafts(rid, a) -> run its copies
+    sampled:  append min(a + 1, outputs left) tokens
+    always:   retire(rid, settled tokens)      # publish Mamba states, free old ones
+    finished: free(rid)
+
+Results of a request preempted or finished since the step was scheduled are dropped (its
+``generation`` changed), as an engine drops outputs of an aborted request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from mambakv.errors import MambaKVError
+from mambakv.request import Request
+from mambakv.sim.workloads import RequestSpec
+
+__all__ = ["BudgetTooSmallError", "ResultProcessor", "SimRequest"]
+
+_now = time.perf_counter
+
+
+class BudgetTooSmallError(MambaKVError, RuntimeError):
+    """One request alone does not fit in the KV-cache pool."""
+
+
+class SimRequest:
+    """A request in the scheduler: the library's Request plus engine-side progress."""
+
+    __slots__ = ("spec", "request", "processed", "generation", "awaiting_output", "admitted",
+                 "finished", "num_outputs", "is_running")
+
+    def __init__(self, spec: RequestSpec) -> None:
+        self.spec = spec
+        self.request = Request(spec.request_id, spec.prompt(), max_tokens=spec.output_len)
+        self.processed = 0          # settled tokens (results processed)
+        self.generation = 0         # +1 at each preemption: older in-flight results are dropped
+        self.awaiting_output = False
+        self.admitted = False       # admitted at least once (hit counted then)
+        self.finished = False
+        self.num_outputs = 0
+        self.is_running = False
+
+
+class ResultProcessor:
+    """Result handling and copy-plan execution; needs ``coord``, ``metrics``, ``rng``,
+    ``acceptance_rate``, ``vocab``, ``running``, ``state_pools``, ``on_finish`` and
+    ``check_invariants`` (set by :class:`~mambakv.sim.scheduler.Scheduler`)."""
+
+    def _run_plans(self) -> None:
+        t = _now()
+        zero = self.coord.take_zero_plan()
+        plan = self.coord.take_copy_plan()
+        self.metrics.library_s += _now() - t
+        self.metrics.copies += sum(len(p) for p in plan.values())
+        self._run_copies(plan, zero)
+
+    def _run_copies(self, plan: dict, zero: dict | None = None) -> None:
+        pools = self.state_pools
+        if not pools:
+            return
+        t = _now()
+        for gid, ids in (zero or {}).items():
+            if gid in pools:
+                pools[gid].zero_(ids)
+        for gid, pairs in plan.items():
+            if gid in pools:
+                pools[gid].copy_(pairs)
+        self.metrics.pool_s += _now() - t
+
+    # ------------------------------------------------------------------ results
+    def _process(self, batch: Sequence[tuple]) -> None:
+        coord, mt = self.coord, self.metrics
+        for sreq, gen, n, drafts, samples in batch:
+            if gen != sreq.generation or sreq.finished:
+                continue  # preempted or finished since: results dropped
+            req = sreq.request
+            rid = req.request_id
+            accepted = 0
+            if drafts:
+                while accepted < drafts and self.rng.random() < self.acceptance_rate:
+                    accepted += 1
+                t = _now()
+                pairs = coord.accept_drafts(rid, accepted)
+                mt.library_s += _now() - t
+                mt.copies += sum(len(p) for p in pairs.values())
+                self._run_copies(pairs)
+                req.num_computed_tokens -= drafts - accepted
+            sreq.processed += n - drafts + accepted
+            if samples:
+                sreq.awaiting_output = False
+                k = min(accepted + 1, sreq.spec.output_len - sreq.num_outputs)
+                req.append_output_token_ids(self._output_ids(sreq, k))
+                sreq.num_outputs += k
+                mt.output_tokens += k
+            if sreq.processed > req.num_tokens:  # accepted drafts beyond the output cap are dropped
+                sreq.processed = req.num_computed_tokens = req.num_tokens
+            t = _now()
+            coord.retire(rid, sreq.processed)
+            if sreq.num_outputs >= sreq.spec.output_len:
+                coord.free(rid)
+            mt.library_s += _now() - t
+            if sreq.num_outputs >= sreq.spec.output_len:
+                sreq.finished = True
+                sreq.is_running = False
+                self.running.remove(sreq)
+                mt.finished += 1
+                if self.on_finish is not None:
+                    self.on_finish(sreq)
+        if self.check_invariants:
+            coord.check_invariants()
+
+    def _output_ids(self, sreq: SimRequest, k: int) -> list[int]:
+        fixed = sreq.spec.output_token_ids
+        if fixed is not None:
+            return [int(x) for x in fixed[sreq.num_outputs : sreq.num_outputs + k]]
+        r = self.rng.randrange
+        return [r(self.vocab) for _ in range(k)]

@@ -1,0 +1,172 @@
+"""Runs of the reference scheduler on a model's KV-cache config: replay, trace, conversations.
+
+Each ``run_*`` function builds a :class:`KVCacheCoordinator` for a model (a packaged name such as
+``"qwen3-next-80b-a3b"`` or a ``config.json`` path) over ``memory_gib`` GiB, drives it with
+:class:`~mambakv.sim.scheduler.Scheduler`, and returns a :class:`SimResult` whose ``to_dict()``
+is what ``mambakv ... --json`` prints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mambakv.coordinator import KVCacheCoordinator
+from mambakv.errors import InvalidSpecError
+from mambakv.models import build_kv_cache_config, load_model
+from mambakv.sim.metrics import SimMetrics
+from mambakv.sim.scheduler import Scheduler, SimRequest
+from mambakv.sim.workloads import RequestSpec, conversations, load_trace, long_prefill
+from mambakv.spec import KVCacheConfig
+
+__all__ = ["DEFAULT_MODEL", "GIB", "SimResult", "build_coordinator", "run_conversations", "run_replay",
+           "run_trace", "run_workload"]
+
+DEFAULT_MODEL = "qwen3-next-80b-a3b"
+GIB = 1 << 30
+#: Largest request the coordinator accepts (tokens); only a validation bound.
+DEFAULT_MAX_MODEL_LEN = 1 << 21
+
+
+def build_coordinator(model: str | Path = DEFAULT_MODEL, memory_gib: float = 60.0, *,
+                      num_speculative_tokens: int = 0, use_eagle: bool = False, enable_caching: bool = True,
+                      num_blocks: int | None = None, mamba_mode: str = "align",
+                      max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> KVCacheCoordinator:
+    """A coordinator for `model` over `memory_gib` GiB (or exactly `num_blocks` blocks).
+
+    The Mamba groups get ``num_speculative_tokens`` speculative blocks.
+
+    Raises:
+        ModelConfigError: unknown model / unreadable config.
+        InvalidSpecError: fewer than 2 blocks fit.
+    """
+    if memory_gib <= 0:
+        raise InvalidSpecError(f"memory must be > 0 GiB, got {memory_gib}")
+    cfg = build_kv_cache_config(load_model(model), int(memory_gib * GIB), mamba_mode=mamba_mode,
+                                num_speculative_blocks=num_speculative_tokens)
+    if num_blocks is not None:
+        cfg = KVCacheConfig(num_blocks, cfg.kv_cache_groups)
+    return KVCacheCoordinator(cfg, max_model_len=max_model_len, enable_caching=enable_caching, use_eagle=use_eagle)
+
+
+@dataclass
+class SimResult:
+    """A finished run: the coordinator (for inspection), the scheduler's metrics, the settings."""
+
+    coord: KVCacheCoordinator
+    metrics: SimMetrics
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def blocks_returned(self) -> bool:
+        """Every block is back in the free queue (cached ones included)."""
+        pool = self.coord.block_pool
+        return pool.get_num_free_blocks() == pool.num_blocks - 1
+
+    def to_dict(self) -> dict[str, Any]:
+        m, coord = self.metrics, self.coord
+        pool = coord.block_pool
+        stats = coord.prefix_cache_stats
+        groups = [g.as_dict() for g in m.groups]
+        bytes_per_block = max(g["block_bytes"] for g in groups)
+        return {
+            **self.settings,
+            "num_blocks": pool.num_blocks,
+            "bytes_per_block": bytes_per_block,
+            "requests": m.requests,
+            "finished": m.finished,
+            "prompt_tokens": m.prompt_tokens,
+            "cached_tokens": m.cached_tokens,
+            "hit_rate": round(m.hit_rate, 6),
+            "prefix_queries": stats.queries,
+            "prefix_hits": stats.hits,
+            "output_tokens": m.output_tokens,
+            "preemptions": m.preemptions,
+            "evictions": pool.num_evictions,
+            "peak_blocks": m.peak_blocks,
+            "peak_bytes": m.peak_blocks * bytes_per_block,
+            "peak_running": m.peak_running,
+            "peak_mamba_blocks_per_request": {
+                str(i): g["peak_mamba_blocks_per_request"] for i, g in enumerate(groups)
+                if g["peak_mamba_blocks_per_request"] is not None},
+            "groups": groups,
+            "steps": m.steps,
+            "scheduled_tokens": m.scheduled_tokens,
+            "state_copies": m.copies,
+            "sim_clock_ms": round(m.clock_ms, 3),
+            "wall_s": round(m.wall_s, 4),
+            "wall_ms": round(m.wall_s * 1e3, 3),
+            "library_s": round(m.library_s, 4),
+            "library_ms": round(m.library_s * 1e3, 3),
+            "library_us_per_step": round(m.library_s * 1e6 / m.steps, 2) if m.steps else 0.0,
+            "blocks_returned": self.blocks_returned,
+        }
+
+
+def run_workload(coord: KVCacheCoordinator, specs: Sequence[RequestSpec], *, one_at_a_time: bool = False,
+                 settings: dict[str, Any] | None = None, on_finish: Callable[[SimRequest], None] | None = None,
+                 **scheduler_kwargs: Any) -> SimResult:
+    """Run `specs` through a :class:`Scheduler` on `coord` (keyword arguments go to it)."""
+    sched = Scheduler(coord, on_finish=on_finish, **scheduler_kwargs)
+    metrics = sched.run(specs, one_at_a_time=one_at_a_time)
+    return SimResult(coord, metrics, dict(settings or {}))
+
+
+def run_replay(model: str | Path = DEFAULT_MODEL, *, prompt_tokens: int = 480_031, output_tokens: int = 4,
+               max_num_batched_tokens: int = 8192, num_speculative_tokens: int = 5, in_flight: int = 2,
+               memory_gib: float = 60.0, use_eagle: bool = False, seed: int = 0, **kwargs: Any) -> SimResult:
+    """One long prefill (default 480,031 tokens) then a few decode steps, DESIGN.md 5.1's replay.
+
+    With the defaults each Mamba group's request peaks at ``2 + 5 + 2 = 9`` blocks."""
+    coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens, use_eagle=use_eagle)
+    settings = {"workload": "replay", "model": str(model), "memory_gib": memory_gib,
+                "prompt_tokens_requested": prompt_tokens, "output_tokens_requested": output_tokens,
+                "max_num_batched_tokens": max_num_batched_tokens,
+                "num_speculative_tokens": num_speculative_tokens, "in_flight": in_flight}
+    specs = long_prefill(prompt_tokens, output_len=output_tokens, seed=seed)
+    return run_workload(coord, specs, settings=settings, max_num_batched_tokens=max_num_batched_tokens,
+                        num_speculative_tokens=num_speculative_tokens, lag=in_flight, seed=seed, **kwargs)
+
+
+def run_trace(path: str | Path, model: str | Path = DEFAULT_MODEL, *, memory_gib: float = 60.0,
+              limit: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+              num_speculative_tokens: int = 0, in_flight: int = 0, one_at_a_time: bool = False,
+              use_eagle: bool = False, max_output_tokens: int | None = None, num_blocks: int | None = None,
+              seed: int = 0, specs: Sequence[RequestSpec] | None = None, **kwargs: Any) -> SimResult:
+    """A Mooncake JSONL trace (first `limit` requests) through the scheduler.
+
+    Raises:
+        TraceFormatError: missing file or malformed line; ModelConfigError; BudgetTooSmallError.
+    """
+    coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens,
+                              use_eagle=use_eagle, num_blocks=num_blocks)
+    if specs is None:
+        specs = load_trace(path, limit=limit, max_output_tokens=max_output_tokens)
+    settings = {"workload": "trace", "trace": str(path), "model": str(model), "memory_gib": memory_gib,
+                "limit": limit, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                "num_speculative_tokens": num_speculative_tokens, "in_flight": in_flight,
+                "one_at_a_time": one_at_a_time}
+    return run_workload(coord, specs, one_at_a_time=one_at_a_time, settings=settings, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max_num_batched_tokens,
+                        num_speculative_tokens=num_speculative_tokens, lag=in_flight, seed=seed, **kwargs)
+
+
+def run_conversations(model: str | Path = DEFAULT_MODEL, *, num_conversations: int = 8, turns: int = 4,
+                      memory_gib: float = 60.0, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                      num_speculative_tokens: int = 0, in_flight: int = 0, one_at_a_time: bool = False,
+                      use_eagle: bool = False, seed: int = 0, specs: Sequence[RequestSpec] | None = None,
+                      **kwargs: Any) -> SimResult:
+    """Multi-turn chats (:func:`~mambakv.sim.workloads.conversations`) through the scheduler."""
+    coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens, use_eagle=use_eagle)
+    if specs is None:
+        specs = conversations(num_conversations, turns, seed=seed)
+    settings = {"workload": "chat", "model": str(model), "memory_gib": memory_gib,
+                "conversations": num_conversations, "turns": turns, "max_num_seqs": max_num_seqs,
+                "max_num_batched_tokens": max_num_batched_tokens,
+                "num_speculative_tokens": num_speculative_tokens, "in_flight": in_flight,
+                "one_at_a_time": one_at_a_time}
+    return run_workload(coord, specs, one_at_a_time=one_at_a_time, settings=settings, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max_num_batched_tokens,
+                        num_speculative_tokens=num_speculative_tokens, lag=in_flight, seed=seed, **kwargs)

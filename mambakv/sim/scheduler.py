@@ -1,0 +1,317 @@
+"""A reference scheduler that drives a :class:`KVCacheCoordinator` step by step, as an engine does.
+
+One step::
+
+    new_step()
+    running requests, in admission order:  next chunk / decode token (+ K drafts)
+        allocate(request, n)  -- None: preempt the most recently admitted request, retry
+    waiting requests, FCFS (skipped in a step that preempted):
+        get_computed_blocks -> allocate(request, n, num_new_computed_tokens=hit, new_computed_blocks=...)
+    run take_zero_plan() / take_copy_plan() (on the MambaStatePools when given)
+    the step's results are processed `lag` steps later, oldest first:
+        accept_drafts(rid, a) (+ run its copies), append a + 1 tokens, retire(rid, processed)
+        finished: free(rid)
+
+Chunked prefill (Mamba block size B, the request's N known tokens, c computed)::
+
+    stop  T = (N - 1) // B * B      (vLLM: N - N % B)  -- one chunk ends at T, so that a repeat
+                                                          of the prompt (hit capped at N - 1) finds
+                                                          a state there
+    c < T:  chunk = largest multiple-of-B end <= min(c + budget, T), minus c;
+            if that is 0, the unaligned remainder min(budget, N - c) (it publishes no state)
+    c >= T: min(budget, N - c)
+
+Decode: a request whose last step samples a token waits for that result (no placeholders);
+with K speculative tokens a decode step schedules ``1 + K`` tokens, ``K`` of them drafts
+beyond ``request.num_tokens``; the seeded acceptance count ``a`` is the number of leading
+drafts that pass a coin of probability `acceptance_rate`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from mambakv.coordinator import KVCacheCoordinator
+from mambakv.errors import MambaKVError
+from mambakv.managers import MambaManager
+from mambakv.request import Request
+from mambakv.sim.metrics import SimMetrics
+from mambakv.sim.results import BudgetTooSmallError, ResultProcessor, SimRequest
+from mambakv.sim.workloads import RequestSpec
+from mambakv.spec import MambaCacheMode
+
+__all__ = ["BudgetTooSmallError", "SimRequest", "Scheduler"]
+
+_now = time.perf_counter
+
+
+class Scheduler(ResultProcessor):
+    """Drives `coord` through a workload.
+
+    Args:
+        coord: the coordinator (its pool is the memory budget).
+        max_num_seqs: most running requests.
+        max_num_batched_tokens: token budget per step.
+        num_speculative_tokens: K drafts per decode step (the Mamba groups' nspec must be >= K).
+        acceptance_rate: probability that each next draft is accepted (seeded).
+        lag: steps between scheduling a step and processing its results (async scheduling).
+        stop_before_last_token: chunk stop at ``(N - 1) // B * B`` (True) or vLLM's ``N - N % B``.
+        state_pools: group id -> ``MambaStatePool`` to run the copy / zero plans on.
+        step_ms, ms_per_token: the step clock: a step lasts ``step_ms + ms_per_token x tokens``.
+        seed: output ids and acceptance counts.
+        on_finish: called with each finished SimRequest (progress bars).
+        reserve_full_prompt: admit a request only when the pool can hold its whole prompt
+            (vLLM's default, ``scheduler_reserve_full_isl``); the first one is always tried.
+        check_invariants: call ``coord.check_invariants()`` after every step and every
+            processed batch (tests; slow).
+    """
+
+    def __init__(self, coord: KVCacheCoordinator, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 num_speculative_tokens: int = 0, acceptance_rate: float = 0.7, lag: int = 0,
+                 stop_before_last_token: bool = True, state_pools: dict | None = None,
+                 step_ms: float = 10.0, ms_per_token: float = 0.05, seed: int = 0,
+                 vocab: int = 151_936, on_finish: Callable[[SimRequest], None] | None = None,
+                 reserve_full_prompt: bool = True, check_invariants: bool = False) -> None:
+        if max_num_seqs <= 0 or max_num_batched_tokens <= 0 or num_speculative_tokens < 0 or lag < 0:
+            raise MambaKVError("need max_num_seqs > 0, max_num_batched_tokens > 0, "
+                               "num_speculative_tokens >= 0 and lag >= 0")
+        if num_speculative_tokens >= max_num_batched_tokens:
+            raise MambaKVError("max_num_batched_tokens must exceed num_speculative_tokens")
+        for m in coord.mamba_managers:
+            if num_speculative_tokens > m.num_speculative_blocks:
+                raise MambaKVError(f"{num_speculative_tokens} speculative tokens need >= that many "
+                                   f"speculative blocks, group {m.kv_cache_group_id} has {m.num_speculative_blocks}")
+        self.coord = coord
+        self.max_num_seqs = max_num_seqs
+        self.budget = max_num_batched_tokens
+        self.K = num_speculative_tokens
+        self.acceptance_rate = acceptance_rate
+        self.lag = lag
+        self.stop_before_last_token = stop_before_last_token
+        self.state_pools = state_pools or {}
+        self.step_ms, self.ms_per_token = step_ms, ms_per_token
+        self.rng = random.Random(seed)
+        self.vocab = vocab
+        self.on_finish = on_finish
+        self.check_invariants = check_invariants
+        self.reserve_full_prompt = reserve_full_prompt
+        aligned = [m.block_size for m in coord.mamba_managers if m.mode is MambaCacheMode.ALIGN]
+        self.align = max(aligned) if aligned else 0
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.in_flight: deque[list[tuple]] = deque()
+        self.metrics = SimMetrics.for_coordinator(coord)
+
+    # ------------------------------------------------------------------ token choice
+    def prefill_chunk(self, computed: int, num_tokens: int, budget: int) -> int:
+        """Tokens to schedule for a request with `computed` of `num_tokens` known tokens."""
+        B = self.align
+        if not B:
+            return min(budget, num_tokens - computed)
+        stop = (num_tokens - 1) // B * B if self.stop_before_last_token else num_tokens - num_tokens % B
+        if computed < stop:
+            end = min(computed + budget, stop) // B * B
+            if end > computed:
+                return end - computed
+        return min(budget, num_tokens - computed)
+
+    # ------------------------------------------------------------------ one step
+    def _timed_allocate(self, req: Request, n: int, **kw) -> object:
+        t = _now()
+        new = self.coord.allocate(req, n, **kw)
+        self.metrics.library_s += _now() - t
+        return new
+
+    def _after_allocate(self, sreq: SimRequest, new: object) -> bool:
+        """Per-request Mamba peaks; True when any block was added."""
+        grew = False
+        for gid, blocks in enumerate(new.blocks):  # type: ignore[attr-defined]
+            if blocks:
+                grew = True
+                m = self.coord.managers[gid]
+                if isinstance(m, MambaManager):
+                    self.metrics.observe_mamba(m, sreq.request.request_id)
+        return grew
+
+    def preempt(self, sreq: SimRequest) -> None:
+        """Free, re-queue at the front, recompute from scratch (in-flight results dropped)."""
+        t = _now()
+        self.coord.free(sreq.request.request_id)
+        self.metrics.library_s += _now() - t
+        self.running.remove(sreq)
+        sreq.is_running = False
+        sreq.generation += 1
+        sreq.request.num_computed_tokens = 0
+        sreq.processed = 0
+        sreq.awaiting_output = False
+        self.waiting.appendleft(sreq)
+        self.metrics.preemptions += 1
+
+    def step(self) -> int:
+        """Schedule one step; returns the tokens scheduled (0: nothing could run)."""
+        coord, mt = self.coord, self.metrics
+        t = _now()
+        coord.new_step()
+        mt.library_s += _now() - t
+        budget = self.budget
+        batch: list[tuple] = []
+        grew = preempted = False
+        for sreq in list(self.running):
+            if budget <= 0:
+                break
+            if sreq.awaiting_output or not sreq.is_running:
+                continue
+            req = sreq.request
+            c, N = req.num_computed_tokens, req.num_tokens
+            drafts = 0
+            if c == N - 1 and req.num_output_tokens > 0:
+                n = 1
+                drafts = min(self.K, budget - 1, coord.max_model_len - N)
+                n += drafts
+            else:
+                n = self.prefill_chunk(c, N, budget)
+            while True:
+                new = self._timed_allocate(req, n)
+                if new is not None:
+                    break
+                victim = self.running[-1]
+                if victim is sreq and len(self.running) == 1:
+                    if self.in_flight:
+                        break  # its own unprocessed steps still hold states: wait for them
+                    raise BudgetTooSmallError(
+                        f"budget too small for one request: {req.request_id!r} needs more than the "
+                        f"{coord.block_pool.num_blocks - 1} blocks of the pool")
+                self.preempt(victim)
+                preempted = True
+                if victim is sreq:
+                    break
+            if new is None:
+                continue
+            grew |= self._after_allocate(sreq, new)
+            batch.append(self._schedule(sreq, n, drafts))
+            budget -= n
+        if not preempted:
+            budget, grew2 = self._admit(budget, batch)
+            grew |= grew2
+        if not batch:
+            return 0
+        self._run_plans()
+        tokens = self.budget - budget
+        mt.steps += 1
+        mt.scheduled_tokens += tokens
+        mt.clock_ms += self.step_ms + self.ms_per_token * tokens
+        if len(self.running) > mt.peak_running:
+            mt.peak_running = len(self.running)
+        if grew:
+            mt.observe_usage(coord)
+        self.in_flight.append(batch)
+        if self.check_invariants:
+            coord.check_invariants()
+        while len(self.in_flight) > self.lag:
+            self._process(self.in_flight.popleft())
+        return tokens
+
+    def _admit(self, budget: int, batch: list[tuple]) -> tuple[int, bool]:
+        coord, mt = self.coord, self.metrics
+        grew = False
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            sreq = self.waiting[0]
+            req = sreq.request
+            t = _now()
+            hits, hit = coord.get_computed_blocks(req)
+            mt.library_s += _now() - t
+            if self.reserve_full_prompt and self.running and not self._fits(req, hits.blocks, hit):
+                break
+            n = self.prefill_chunk(hit, req.num_tokens, budget)
+            new = self._timed_allocate(req, n, num_new_computed_tokens=hit, new_computed_blocks=hits)
+            if new is None:
+                if not self.running:
+                    raise BudgetTooSmallError(
+                        f"budget too small for one request: {req.request_id!r} ({req.num_tokens} tokens) "
+                        f"does not fit in {coord.block_pool.num_blocks - 1} blocks")
+                break
+            self.waiting.popleft()
+            self.running.append(sreq)
+            sreq.is_running = True
+            if not sreq.admitted:
+                sreq.admitted = True
+                mt.prompt_tokens += req.num_prompt_tokens
+                mt.cached_tokens += hit
+            req.num_computed_tokens = hit
+            sreq.processed = hit
+            grew |= self._after_allocate(sreq, new) or hit > 0
+            batch.append(self._schedule(sreq, n, 0))
+            budget -= n
+        return budget, grew
+
+    def _fits(self, req: Request, hits: Sequence, hit: int) -> bool:
+        """The pool can hold all of `req`'s known tokens (counted as ``allocate`` would)."""
+        t = _now()
+        rid = req.request_id
+        need = sum(m.get_num_blocks_to_allocate(rid, req.num_tokens, h, hit)
+                   for m, h in zip(self.coord.managers, hits))
+        ok = need <= self.coord.block_pool.get_num_free_blocks()
+        self.metrics.library_s += _now() - t
+        return ok
+
+    def _schedule(self, sreq: SimRequest, n: int, drafts: int) -> tuple:
+        req = sreq.request
+        req.num_computed_tokens += n
+        samples = req.num_computed_tokens - drafts >= req.num_tokens
+        if samples:
+            sreq.awaiting_output = True
+        return (sreq, sreq.generation, n, drafts, samples)
+
+    # ------------------------------------------------------------------ runs
+    def idle(self) -> bool:
+        return not (self.waiting or self.running or self.in_flight)
+
+    def drain(self) -> None:
+        """Process every in-flight step (the engine waits for its outputs)."""
+        while self.in_flight:
+            self._process(self.in_flight.popleft())
+
+    def run(self, specs: Sequence[RequestSpec], *, one_at_a_time: bool = False) -> SimMetrics:
+        """Run `specs` (in arrival order) to completion and return the metrics.
+
+        Step clock: requests join the waiting queue once ``clock_ms >= arrival_ms``; when
+        nothing runs, the clock jumps to the next arrival. `one_at_a_time`: each request runs
+        alone to completion, in arrival order (no clock).
+        """
+        mt = self.metrics
+        t0 = _now()
+        order = sorted(specs, key=lambda s: s.arrival_ms)
+        mt.requests += len(order)
+        if one_at_a_time:
+            for spec in order:
+                self.waiting.append(SimRequest(spec))
+                self._run_until_idle()
+        else:
+            i = 0
+            while i < len(order) or not self.idle():
+                while i < len(order) and order[i].arrival_ms <= mt.clock_ms:
+                    self.waiting.append(SimRequest(order[i]))
+                    i += 1
+                if self.idle():
+                    mt.clock_ms = order[i].arrival_ms
+                    continue
+                if not self.step():
+                    if self.in_flight:
+                        self._process(self.in_flight.popleft())
+                    elif i < len(order):
+                        mt.clock_ms = max(mt.clock_ms, order[i].arrival_ms)
+                    else:
+                        raise MambaKVError("scheduler made no progress")  # pragma: no cover
+            self.drain()
+        mt.wall_s += _now() - t0
+        return mt
+
+    def _run_until_idle(self) -> None:
+        while not self.idle():
+            if not self.step():
+                if not self.in_flight:
+                    raise MambaKVError("scheduler made no progress")  # pragma: no cover
+                self._process(self.in_flight.popleft())
