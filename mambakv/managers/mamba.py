@@ -37,9 +37,9 @@ class MambaRequestBlocks(RequestBlocks):
     Attributes:
         running_slot: slot of the running state (-1 before the first allocation).
         num_tokens: the ``num_tokens`` of the last allocation (its main tokens).
-        positions: slot -> token position whose state the slot's block will hold once the
-            step that writes it has run; an entry leaves once that position is processed
-            (the state is published there if the position is the slot's boundary).
+        positions: slot -> the slot's boundary position, for blocks that will hold their
+            boundary state once the step that writes them has run; an entry leaves once that
+            position is processed (the state is published then) or the block is rewritten.
         verify_steps: ``(running slot, tokens, drafts)`` of steps with draft tokens whose
             ``accept_drafts`` has not come yet, oldest first.
     """
@@ -77,6 +77,7 @@ class MambaManager(SingleTypeKVCacheManager):
         self._align = self.mode is MambaCacheMode.ALIGN
         if not self._align:
             self.enable_caching = False
+            self.retires = False  # mode NONE keeps one state per request: nothing to retire
         self._copy_plan: list[tuple[int, int]] = []
         self._zero_plan: list[int] = []
         self._reqs: dict[str, MambaRequestBlocks]  # type: ignore[assignment]
@@ -172,13 +173,21 @@ class MambaManager(SingleTypeKVCacheManager):
             blocks[slot] = null
 
     def _record_step(self, st: MambaRequestBlocks, running: int, num_tokens: int, num_drafts: int) -> None:
-        """Tag the running block with the position its state will hold after the forward
-        (state after the first scheduled token of a verify step: drafts land in scratch)."""
+        """Remember the step, and tag the running block with the position its state will hold
+        after the forward if that position is the slot's boundary (only such a state can ever
+        be published). A verify step's position is known only after ``accept_drafts``.
+
+        Any older tag of the slot is dropped: this step overwrites the block in place."""
         st.running_slot = running
         st.num_tokens = num_tokens
-        st.positions[running] = num_tokens - num_drafts
+        positions = st.positions
         if num_drafts:
             st.verify_steps.append((running, num_tokens, num_drafts))
+        elif self.enable_caching and num_tokens == (running + 1) * self.block_size:
+            positions[running] = num_tokens
+            return
+        if positions:
+            positions.pop(running, None)
 
     # ------------------------------------------------------------------ spec decode
     def accept_drafts(self, request_id: str, num_accepted: int) -> list[tuple[int, int]]:
@@ -200,8 +209,12 @@ class MambaManager(SingleTypeKVCacheManager):
         if not 0 <= num_accepted <= num_drafts:
             raise InvalidDraftCountError(f"accepted {num_accepted} of {num_drafts} drafts")
         st.verify_steps.popleft()
-        if slot in st.positions:
-            st.positions[slot] = num_tokens - num_drafts + num_accepted
+        position = num_tokens - num_drafts + num_accepted
+        # Tag a boundary state only if no later step was planned into this block meanwhile
+        # (async scheduling): then the block keeps exactly this state.
+        latest = not st.verify_steps and st.running_slot == slot and st.num_tokens == num_tokens
+        if latest and self.enable_caching and position == (slot + 1) * self.block_size:
+            st.positions[slot] = position
         if num_accepted == 0 or slot + num_accepted >= len(st.blocks):
             return []
         src, dst = st.blocks[slot + num_accepted], st.blocks[slot]
@@ -249,12 +262,30 @@ class MambaManager(SingleTypeKVCacheManager):
         return max(0, num_processed_tokens - 1)
 
     def _retire_below(self, st: RequestBlocks, num_slots: int) -> list[KVCacheBlock]:
+        """Base retirement, after checking that it stays below the running slot: processed
+        tokens beyond the running state's boundary were never scheduled, and retiring them
+        would free the running and scratch blocks (InvalidTokenCountError, nothing changed)."""
+        running = st.running_slot  # type: ignore[attr-defined]
+        if 0 <= running < num_slots:
+            raise InvalidTokenCountError(
+                f"retiring {num_slots} slots would free the running state at slot {running}: more tokens "
+                f"processed than were ever scheduled (at most {(running + 1) * self.block_size})")
         freed = super()._retire_below(st, num_slots)
         positions = st.positions  # type: ignore[attr-defined]
         if freed and positions:
             for slot in [s for s in positions if s < st.retired_below]:
                 del positions[slot]
         return freed
+
+    def free(self, request_id: str) -> None:
+        """Drop the request (see the base class), and its pending entries of the copy and
+        zero plans: a preempted request's copy must not run into a block that is reused."""
+        st = self._reqs.get(request_id)
+        if st is not None and (self._copy_plan or self._zero_plan):
+            ids = {b.block_id for b in st.blocks if not b.is_null}
+            self._copy_plan = [p for p in self._copy_plan if p[1] not in ids]
+            self._zero_plan = [b for b in self._zero_plan if b not in ids]
+        super().free(request_id)
 
     # ------------------------------------------------------------------ helpers
     def get_state_block_ids(self, request_id: str) -> list[int]:
