@@ -11,9 +11,9 @@ from typing import Any
 from mambakv.block import FreeBlockQueue, KVCacheBlock
 from mambakv.block_pool import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored
 from mambakv.coordinator import KVCacheBlocks, KVCacheCoordinator, PrefixCacheStats
-from mambakv.errors import (BlockNotFreeError, DoubleFreeError, HashBlockSizeMismatchError, InvalidDraftCountError,
-                            InvalidSpecError, InvalidTokenCountError, MambaKVError, ModelConfigError,
-                            OutOfBlocksError, StaleCacheHitError, TraceFormatError)
+from mambakv.errors import (BlockNotFreeError, DoubleFreeError, HashBlockSizeMismatchError, InvalidBlockError,
+                            InvalidDraftCountError, InvalidSpecError, InvalidTokenCountError, MambaKVError,
+                            ModelConfigError, OutOfBlocksError, StaleCacheHitError, TraceFormatError)
 from mambakv.hashing import hash_block_tokens, init_none_hash
 from mambakv.managers import FullAttentionManager, MambaManager, SingleTypeKVCacheManager, SlidingWindowManager
 from mambakv.request import Request
@@ -36,7 +36,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AllBlocksCleared", "BlockNotFreeError", "BlockPool", "BlockRemoved", "BlockStored", "DoubleFreeError",
     "FreeBlockQueue", "FullAttentionManager", "FullAttentionSpec", "HashBlockSizeMismatchError",
-    "InvalidDraftCountError", "InvalidSpecError", "InvalidTokenCountError", "KVCacheBlock", "KVCacheBlocks",
+    "InvalidBlockError", "InvalidDraftCountError", "InvalidSpecError", "InvalidTokenCountError", "KVCacheBlock", "KVCacheBlocks",
     "KVCacheConfig", "KVCacheCoordinator", "KVCacheGroupSpec", "KVCacheSpec", "MambaCacheMode", "MambaKVError",
     "MambaManager", "MambaSpec", "MambaStatePool", "ModelConfigError", "OutOfBlocksError", "PrefixCacheStats",
     "Request", "SingleTypeKVCacheManager", "SlidingWindowManager", "SlidingWindowSpec", "StaleCacheHitError",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from mambakv.errors import BlockNotFreeError, OutOfBlocksError
+from mambakv.errors import BlockNotFreeError, DoubleFreeError, OutOfBlocksError
 
 
 class KVCacheBlock:
@@ -115,7 +115,13 @@ class FreeBlockQueue:
         self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        """Put `block` at the tail (reused last)."""
+        """Put `block` at the tail (reused last).
+
+        Raises:
+            DoubleFreeError: `block` is already in the queue (nothing changed).
+        """
+        if block.prev_free_block is not None:
+            raise DoubleFreeError(f"block {block.block_id} is already in the free queue")
         last = self._tail.prev_free_block
         last.next_free_block = block  # type: ignore[union-attr]
         block.prev_free_block = last
@@ -124,10 +130,18 @@ class FreeBlockQueue:
         self.num_free_blocks += 1
 
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Put `blocks` at the tail, in order (the last one is reused last)."""
-        last = self._tail.prev_free_block
+        """Put `blocks` at the tail, in order (the last one is reused last).
+
+        Raises:
+            DoubleFreeError: a block is already queued, or listed twice (a queued block has a
+                back link; a repeat is caught on its second visit); nothing changed.
+        """
+        start = last = self._tail.prev_free_block
         n = 0
         for block in blocks:
+            if block.prev_free_block is not None:
+                self._unlink_run(start, n, self._tail)
+                raise DoubleFreeError(f"block {block.block_id} is already in the free queue or listed twice")
             last.next_free_block = block  # type: ignore[union-attr]
             block.prev_free_block = last
             last = block
@@ -137,18 +151,36 @@ class FreeBlockQueue:
         self.num_free_blocks += n
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Put `blocks` at the head, keeping their order: ``blocks[0]`` is reused first."""
+        """Put `blocks` at the head, keeping their order: ``blocks[0]`` is reused first.
+
+        Raises:
+            DoubleFreeError: a block is already queued, or listed twice; nothing changed.
+        """
         if not blocks:
             return
         first = self._head.next_free_block
         prev = self._head
-        for block in blocks:
+        for i, block in enumerate(blocks):
+            if block.prev_free_block is not None:
+                self._unlink_run(self._head, i, first)  # type: ignore[arg-type]
+                raise DoubleFreeError(f"block {block.block_id} is already in the free queue or listed twice")
             prev.next_free_block = block
             block.prev_free_block = prev
             prev = block
         prev.next_free_block = first
         first.prev_free_block = prev  # type: ignore[union-attr]
         self.num_free_blocks += len(blocks)
+
+    @staticmethod
+    def _unlink_run(start: KVCacheBlock, n: int, after: KVCacheBlock) -> None:
+        """Undo a partial bulk insert: clear the links of the `n` blocks linked after `start`
+        and reconnect `start` to `after` (whose back link was never changed)."""
+        block = start.next_free_block
+        for _ in range(n):
+            nxt = block.next_free_block  # type: ignore[union-attr]
+            block.prev_free_block = block.next_free_block = None  # type: ignore[union-attr]
+            block = nxt
+        start.next_free_block = after
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """The free blocks from head to tail (O(n); for tests and invariant checks)."""

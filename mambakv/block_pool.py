@@ -123,6 +123,12 @@ class BlockPool:
             raise OutOfBlocksError(
                 f"asked for {num_blocks} blocks, {self.free_block_queue.num_free_blocks} free"
             )
+        if num_blocks == 1:  # the common case (one block per growing table): no list walk
+            block = self.free_block_queue.popleft()
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+            return [block]
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
             if block.block_hash is not None:
@@ -165,10 +171,13 @@ class BlockPool:
                 (no block table holds a block twice); nothing changes.
         """
         blocks = [b for b in blocks if not b.is_null]
-        self._check_free(blocks)
+        if len(blocks) > 1 and len(set(blocks)) != len(blocks):  # identity hashing: one C pass
+            self._raise_duplicate(blocks)
         unhashed: list[KVCacheBlock] = []
         hashed: list[KVCacheBlock] = []
         for block in blocks:
+            if block.ref_cnt <= 0:
+                self._undo_free(blocks, block)
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 (unhashed if block.block_hash is None else hashed).append(block)
@@ -178,14 +187,17 @@ class BlockPool:
             self.free_block_queue.append_n(hashed)
 
     @staticmethod
-    def _check_free(blocks: list[KVCacheBlock]) -> None:
-        for block in blocks:
-            if block.ref_cnt <= 0:
-                raise DoubleFreeError(f"block {block.block_id} freed at ref count {block.ref_cnt}")
-        if len(blocks) > 1 and len({b.block_id for b in blocks}) != len(blocks):
-            ids = [b.block_id for b in blocks]
-            dup = next(i for i in ids if ids.count(i) > 1)
-            raise DoubleFreeError(f"block {dup} listed more than once in one free_blocks call")
+    def _raise_duplicate(blocks: list[KVCacheBlock]) -> None:
+        ids = [b.block_id for b in blocks]
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise DoubleFreeError(f"block {dup} listed more than once in one free_blocks call")
+
+    @staticmethod
+    def _undo_free(blocks: list[KVCacheBlock], bad: KVCacheBlock) -> None:
+        """`bad` is at ref count 0: restore the blocks already decremented, then raise."""
+        for block in blocks[: blocks.index(bad)]:
+            block.ref_cnt += 1
+        raise DoubleFreeError(f"block {bad.block_id} freed at ref count {bad.ref_cnt}")
 
     # ------------------------------------------------------------------ prefix cache
     def cache_full_blocks(

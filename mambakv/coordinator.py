@@ -109,6 +109,8 @@ class KVCacheCoordinator:
         self.alignment_tokens = math.lcm(*sizes)
         self._lookup_groups = self._make_lookup_groups()
         self._requests: dict[str, Request] = {}
+        #: request id -> most tokens (drafts included) any allocate covered: retire never goes past it
+        self._num_scheduled: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
         self.num_steps = 0
 
@@ -177,6 +179,32 @@ class KVCacheCoordinator:
             return [[] for _ in self.managers], 0
         return hits, length
 
+    def get_shared_prefix_length(self, request: Request) -> int:
+        """Tokens: the longest prefix of `request` (aligned like a hit, at most
+        ``num_tokens - 1``) that the attention-type groups cache, Mamba groups ignored.
+
+        Beyond the hit of ``get_computed_blocks`` it marks a prefix shared with an earlier
+        request whose Mamba state was never published there (states exist only at chunk
+        ends). A scheduler that ends a prefill chunk exactly here publishes that state, so
+        the next request sharing the prefix hits it (a Marconi-style junction; vLLM 0.33
+        stops chunks at the same place). 0 without caching or attention groups. Read-only:
+        pins nothing and counts no statistics.
+        """
+        request.set_hash_block_size(self.hash_block_size)
+        align = self.alignment_tokens
+        length = (request.num_tokens - 1) // align * align
+        if not self.enable_caching or length <= 0:
+            return 0
+        for lg in self._lookup_groups:
+            if not lg.manager_class.publishes_at_allocation or length == 0:
+                continue
+            bs = lg.spec.block_size  # type: ignore[attr-defined]
+            found = lg.manager_class.find_longest_cache_hit(
+                group_block_hashes(request, bs), length, lg.group_ids, self.block_pool, lg.spec,  # type: ignore[arg-type]
+                align)
+            length = min(length, len(found[0]) * bs // align * align)
+        return length if any(lg.manager_class.publishes_at_allocation for lg in self._lookup_groups) else 0
+
     # ------------------------------------------------------------------ allocation
     def allocate(self, request: Request, num_new_tokens: int, *, num_new_computed_tokens: int = 0,
                  new_computed_blocks: KVCacheBlocks | None = None,
@@ -224,13 +252,20 @@ class KVCacheCoordinator:
             num_drafts = 0
         new_blocks = []
         any_new = False
-        for m, hit in zip(managers, hits):
-            if hit:
-                m.add_computed_blocks(rid, hit)
+        if hits is not self._no_hits:
+            # Pin every group's hits before any group takes a new block: new blocks come off the
+            # queue head, which may be another group's hit still in the queue (it would be
+            # evicted and end up in two tables).
+            for m, hit in zip(managers, hits):
+                if hit:
+                    m.add_computed_blocks(rid, hit)
+        for m in managers:
             blocks = m.allocate_new_blocks(rid, num_tokens, num_lookahead_tokens, num_draft_tokens=num_drafts)
             new_blocks.append(blocks)
             any_new = any_new or bool(blocks)
         self._requests[rid] = request
+        if self._num_scheduled.get(rid, 0) < num_tokens:
+            self._num_scheduled[rid] = num_tokens
         if self.enable_caching:
             num_real = num_tokens if num_drafts == 0 else request.num_tokens
             for m in self._publish_at_allocation:
@@ -267,17 +302,19 @@ class KVCacheCoordinator:
         known, then retire what no group needs any more. Idempotent; a request holding no
         blocks is a no-op.
 
-        Raises:
-            InvalidTokenCountError: a negative count, or more than the request's tokens.
+        Raises (nothing changed):
+            InvalidTokenCountError: a negative count, or more than the request's tokens or than
+                any ``allocate`` covered (tokens never scheduled cannot be processed).
         """
         if num_processed_tokens < 0:
             raise InvalidTokenCountError(f"num_processed_tokens must be >= 0, got {num_processed_tokens}")
         request = self._requests.get(request_id)
         if request is None or num_processed_tokens == 0:
             return
-        if num_processed_tokens > request.num_tokens:
+        if num_processed_tokens > request.num_tokens or num_processed_tokens > self._num_scheduled[request_id]:
             raise InvalidTokenCountError(
-                f"request {request_id!r} has {request.num_tokens} tokens, cannot have processed {num_processed_tokens}")
+                f"request {request_id!r} has {request.num_tokens} tokens, {self._num_scheduled[request_id]} "
+                f"scheduled: cannot have processed {num_processed_tokens}")
         if self.enable_caching:
             for m in self._publish_at_retire:
                 m.cache_blocks(request, num_processed_tokens)
@@ -304,14 +341,19 @@ class KVCacheCoordinator:
         for m in self.managers:
             m.free(request_id)
         self._requests.pop(request_id, None)
+        self._num_scheduled.pop(request_id, None)
 
     def preempt_all(self) -> list[str]:
         """Free every request (the engine re-queues them to recompute) and return their ids,
-        so that ``reset_prefix_cache`` can succeed with requests running."""
-        ids = list(self._requests)
-        for rid in ids:
-            self.free(rid)
-        return ids
+        so that ``reset_prefix_cache`` can succeed with requests running. Each preempted
+        request's ``num_computed_tokens`` is set to 0 (it recomputes from scratch), and every
+        piece of its bookkeeping, pending state copies included, is dropped: resumed, it
+        looks up its prefix and builds a fresh table like a new request."""
+        requests = list(self._requests.values())
+        for request in requests:
+            self.free(request.request_id)
+            request.num_computed_tokens = 0
+        return [r.request_id for r in requests]
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; False (nothing changed) while any block is in use. To reset
@@ -351,18 +393,22 @@ class KVCacheCoordinator:
 
     def check_invariants(self) -> None:
         """Pool and per-manager invariants, plus: every held block's ref count equals the
-        number of tables holding it; free + held == num_blocks - 1."""
+        number of tables holding it, and those tables are of one group; free + held ==
+        num_blocks - 1."""
         pool = self.block_pool
         pool.check_invariants()
         holders: dict[int, int] = {}
-        for m in self.managers:
+        owner: dict[int, int] = {}
+        for gid, m in enumerate(self.managers):
             m.check_invariants()
             for blocks in m.req_to_blocks.values():
                 for b in blocks:
                     if not b.is_null:
                         holders[b.block_id] = holders.get(b.block_id, 0) + 1
+                        assert owner.setdefault(b.block_id, gid) == gid, f"block {b.block_id} in two groups"
         for bid, n in holders.items():
             assert pool.blocks[bid].ref_cnt == n, f"block {bid}: ref {pool.blocks[bid].ref_cnt} != {n} tables"
         assert pool.get_num_free_blocks() + len(holders) == pool.num_blocks - 1, "blocks leaked"
+        assert self._num_scheduled.keys() == self._requests.keys(), "scheduled counts out of sync"
         for rid in self._requests:
             assert any(rid in m.req_to_blocks for m in self.managers), f"{rid}: request kept without blocks"

@@ -38,6 +38,11 @@ class HashBlockSizeMismatchError(MambaKVError, ValueError):
     group's block size."""
 
 
+class InvalidBlockError(MambaKVError, ValueError):
+    """A block list names a real block twice where blocks must be distinct (a hit list given to
+    `touch`: no block table holds a block twice), or a block id outside ``0 .. num_blocks - 1``."""
+
+
 class BlockNotFreeError(MambaKVError, RuntimeError):
     """`FreeBlockQueue.remove` was given a block that is not in the queue."""
 

@@ -58,9 +58,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def __init__(self, kv_cache_spec: SlidingWindowSpec, block_pool: BlockPool, **kwargs) -> None:
         super().__init__(kv_cache_spec, block_pool, **kwargs)
         self.sliding_window = kv_cache_spec.sliding_window
+        self.num_kept_tokens = self.sliding_window - 1  # the next token attends to w - 1 earlier ones
 
-    def get_num_skipped_tokens(self, num_processed_tokens: int) -> int:
-        return max(0, num_processed_tokens - self.sliding_window + 1)
 
     @classmethod
     def _find_hit(cls, block_hashes: Sequence[bytes], max_length: int, kv_cache_group_ids: Sequence[int],

@@ -208,10 +208,14 @@ class SingleTypeKVCacheManager(ABC):
         st.num_cached_blocks = num_full
 
     # ------------------------------------------------------------------ retirement
+    #: Trailing processed tokens a request still needs (the rest are skipped): the window
+    #: minus one for sliding window, 1 for a Mamba state, all of them for full attention.
+    num_kept_tokens: int = 1 << 62
+
     def get_num_skipped_tokens(self, num_processed_tokens: int) -> int:
         """Leading tokens whose blocks are no longer needed once `num_processed_tokens`
-        tokens are processed (0 for full attention)."""
-        return 0
+        tokens are processed: ``max(0, n - num_kept_tokens)``."""
+        return max(0, num_processed_tokens - self.num_kept_tokens)
 
     def remove_skipped_blocks(self, request_id: str, num_processed_tokens: int) -> None:
         """Retire: replace blocks ``[0, skipped // block_size)`` with the null block and free
@@ -225,7 +229,8 @@ class SingleTypeKVCacheManager(ABC):
         st = self._reqs.get(request_id)
         if st is None:
             return
-        num_slots = self.get_num_skipped_tokens(num_processed_tokens) // self.block_size
+        # get_num_skipped_tokens, inlined (a negative count leaves num_slots below 0)
+        num_slots = (num_processed_tokens - self.num_kept_tokens) // self.block_size
         if num_slots <= st.retired_below:
             return  # the common decode step: nothing new to retire
         freed = self._retire_below(st, num_slots)

@@ -78,6 +78,8 @@ class MambaManager(SingleTypeKVCacheManager):
         if not self._align:
             self.enable_caching = False
             self.retires = False  # mode NONE keeps one state per request: nothing to retire
+        # Only the last state matters: n - 1 tokens are skipped (none in mode NONE).
+        self.num_kept_tokens = 1 if self._align else 1 << 62
         self._copy_plan: list[tuple[int, int]] = []
         self._zero_plan: list[int] = []
         self._reqs: dict[str, MambaRequestBlocks]  # type: ignore[assignment]
@@ -255,12 +257,6 @@ class MambaManager(SingleTypeKVCacheManager):
             if slot < len(keys) and block is not self.null_block:
                 self.block_pool.cache_full_blocks([block], [keys[slot]], self.kv_cache_group_id, block_size=bs)
 
-    def get_num_skipped_tokens(self, num_processed_tokens: int) -> int:
-        """Only the last state matters: ``n - 1`` tokens are skipped (none in mode NONE)."""
-        if self.mode is MambaCacheMode.NONE:
-            return 0
-        return max(0, num_processed_tokens - 1)
-
     def _retire_below(self, st: RequestBlocks, num_slots: int) -> list[KVCacheBlock]:
         """Base retirement, after checking that it stays below the running slot: processed
         tokens beyond the running state's boundary were never scheduled, and retiring them
@@ -270,11 +266,12 @@ class MambaManager(SingleTypeKVCacheManager):
             raise InvalidTokenCountError(
                 f"retiring {num_slots} slots would free the running state at slot {running}: more tokens "
                 f"processed than were ever scheduled (at most {(running + 1) * self.block_size})")
+        low = st.retired_below
         freed = super()._retire_below(st, num_slots)
         positions = st.positions  # type: ignore[attr-defined]
-        if freed and positions:
-            for slot in [s for s in positions if s < st.retired_below]:
-                del positions[slot]
+        if positions:  # tags of retired slots (left when nobody published them) go too
+            for slot in range(low, st.retired_below):
+                positions.pop(slot, None)
         return freed
 
     def free(self, request_id: str) -> None:
