@@ -258,8 +258,10 @@ class BlockPool:
             self._events.append(BlockRemoved([block_hash]))  # type: ignore[list-item]
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
-        """Drop these blocks' hashes (e.g. their data was lost); the blocks stay where they
-        are (held or queued). Unhashed and null blocks, and repeated ids, are ignored.
+        """Drop these blocks' hashes (e.g. their data was lost). A held block stays in its
+        tables; a free one moves to the head of the queue, as any unhashed free block (it holds
+        nothing of value any more, so it is reused before cached blocks). Unhashed and null
+        blocks, and repeated ids, are ignored.
 
         Raises:
             InvalidBlockError: an id outside ``0 .. num_blocks - 1`` (a negative id would
@@ -275,10 +277,14 @@ class BlockPool:
             if not 0 <= i < n:
                 raise InvalidBlockError(f"block id {block_id!r} outside 0..{n - 1}")
             ids.append(i)
+        queue = self.free_block_queue
         for block_id in ids:
             block = self.blocks[block_id]
             if block.block_hash is not None and not block.is_null:
                 self._evict(block)
+                if block.ref_cnt == 0:
+                    queue.remove(block)
+                    queue.prepend_n([block])
 
     def reset_prefix_cache(self) -> bool:
         """Drop every hash, if no block other than the null block is in use.

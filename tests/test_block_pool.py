@@ -304,7 +304,7 @@ def test_several_blocks_share_one_hash():
     pool.evict_blocks([2])  # drop block 2's hash; block 3 is still findable
     pool.check_invariants()
     assert pool.get_cached_block(h(9), [0]) == [b[2]]
-    assert queue(pool) == [2, 3]  # evict_blocks leaves blocks where they are
+    assert queue(pool) == [2, 3]  # block 2, now unhashed, moves to the head (it already is)
     pool.get_new_blocks(2)
     assert pool.get_cached_block(h(9), [0]) is None
     pool.check_invariants()
@@ -341,7 +341,9 @@ def test_evict_blocks_held_and_free():
     assert b[2].block_hash is None and b[2].ref_cnt == 0
     assert b[1].block_hash == h(2)
     assert pool.get_cached_block(h(1), [0]) is None and pool.get_cached_block(h(3), [0]) is None
-    assert queue(pool) == [4, 5, 6, 7, 8, 9, 10, 3]
+    # free block 3 lost its hash: it goes to the head like any unhashed freed block (DESIGN.md 3),
+    # so the queue is 3, 4, ..., 10.
+    assert queue(pool) == [3, 4, 5, 6, 7, 8, 9, 10]
     assert pool.num_evictions == 2
 
 

@@ -96,6 +96,6 @@ def test_evict_blocks_bad_ids_raise_and_change_nothing():
         assert pool_snapshot(pool) == before
     pool.evict_blocks([3, 3, 0])  # a repeat and the null block are ignored
     assert [b.block_id for b in pool.blocks if b.block_hash is not None] == [1, 2]
-    assert queue_ids(pool) == [1, 2, 3]
+    assert queue_ids(pool) == [3, 1, 2]  # block 3, unhashed now, is reused first
     pool.check_invariants()
     assert issubclass(InvalidBlockError, MambaKVError) and issubclass(DoubleFreeError, MambaKVError)
