@@ -106,6 +106,9 @@ def hybrid_prefill(coord: KVCacheCoordinator, prompt, in_flight: int, budget: in
         n = min(budget, P - computed)
         if computed + n < P:
             n = n // bs * bs
+        last_boundary = (P - 1) // bs * bs  # stop once there, so a repeat of the prompt can hit
+        if computed < last_boundary < computed + n:
+            n = last_boundary - computed
         if steps == 0:
             blocks, hit = coord.get_computed_blocks(req)
             out = coord.allocate(req, n - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks)

@@ -67,7 +67,8 @@ class SimMetrics:
 
     ``prompt_tokens`` / ``cached_tokens`` count each request once, at its first admission
     (a recompute after preemption is not counted again); ``hit_rate = cached / prompt``.
-    ``library_s`` is ``time.perf_counter`` time inside coordinator calls; ``pool_s`` inside
+    ``library_s`` is ``time.perf_counter`` time inside coordinator calls (prompt hashing
+    included: ``get_computed_blocks`` hashes lazily) and ``Request`` appends; ``pool_s`` inside
     ``MambaStatePool`` copies.  ``series`` samples ``(step, clock_ms, blocks per group,
     running hit rate)`` whenever an allocation may have changed the usage.
     """

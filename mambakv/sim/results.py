@@ -34,7 +34,7 @@ class SimRequest:
     """A request in the scheduler: the library's Request plus engine-side progress."""
 
     __slots__ = ("spec", "request", "processed", "generation", "awaiting_output", "admitted",
-                 "finished", "num_outputs", "is_running")
+                 "finished", "num_outputs", "is_running", "junction")
 
     def __init__(self, spec: RequestSpec) -> None:
         self.spec = spec
@@ -46,6 +46,7 @@ class SimRequest:
         self.finished = False
         self.num_outputs = 0
         self.is_running = False
+        self.junction = 0           # shared-prefix length to end a prefill chunk at (0: none)
 
 
 class ResultProcessor:
@@ -96,7 +97,10 @@ class ResultProcessor:
             if samples:
                 sreq.awaiting_output = False
                 k = min(accepted + 1, sreq.spec.output_len - sreq.num_outputs)
-                req.append_output_token_ids(self._output_ids(sreq, k))
+                ids = self._output_ids(sreq, k)
+                t = _now()
+                req.append_output_token_ids(ids)  # Request is library code: its appends count
+                mt.library_s += _now() - t
                 sreq.num_outputs += k
                 mt.output_tokens += k
             if sreq.processed > req.num_tokens:  # accepted drafts beyond the output cap are dropped

@@ -1,0 +1,125 @@
+"""Side by side with vLLM 0.33.0: the same workloads, one machine, one run window.
+
+Runs each peer script of ../shared/peer/ (vLLM's own block manager, in its own venv), then our
+equivalent right after it, and prints our time / vLLM's time per workload. vLLM is never imported
+here: the peer scripts run in a subprocess with the venv's Python.
+
+    bash ../shared/peer/setup_vllm_venv.sh /tmp/vvenv        # once, about 2 minutes
+    python bench/compare.py --vllm-python /tmp/vvenv/bin/python [--only replay prefill decode trace]
+
+Block counts and hit rates are exact and must match; times drift on shared machines, which is
+why each pair runs back to back (see ``py_ref_ms`` in the output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+PEER = HERE.parent / ".." / "shared" / "peer"
+TRACE = HERE.parent / ".." / "shared" / "traces" / "conversation_trace.jsonl"
+
+
+def run_peer(python: str, script: str, *args: str) -> list[dict[str, str]]:
+    """Run a peer script from /tmp (outside any checkout); parse its key=value lines."""
+    out = subprocess.run([python, str((PEER / script).resolve()), *args], cwd="/tmp", capture_output=True,
+                         text=True, check=True).stdout
+    return [dict(kv.split("=", 1) for kv in line.split()) for line in out.splitlines() if "=" in line]
+
+
+def row(name: str, ours: float, theirs: float, unit: str, target: float | None, note: str = "") -> dict:
+    ratio = ours / theirs if theirs else float("nan")
+    ok = "" if target is None else ("yes" if ratio <= target else "NO")
+    print(f"{name:<44} {ours:>10.2f} {theirs:>10.2f} {unit:<12} {ratio:>6.2f} {ok:>4} {note}", flush=True)
+    return {"workload": name, "ours": ours, "vllm": theirs, "unit": unit, "ratio": ratio, "target": target}
+
+
+def compare_replay(py: str, repeat: int) -> list[dict]:
+    from common import manager_replay_480k
+    rows = []
+    for line in run_peer(py, "vllm_replay.py", "--repeat", str(repeat)):
+        bs, inf = int(line["block_size"]), int(line["in_flight"])
+        runs = [manager_replay_480k(bs, inf) for _ in range(repeat)]
+        peak, steps, _ = runs[0]
+        assert peak == int(line["peak_held"]), (peak, line)
+        ours = min(r[2] for r in runs) / steps * 1e6
+        rows.append(row(f"prefill_480k manager bs={bs} in_flight={inf}", ours, float(line["us_per_step"]),
+                        "us/step", 0.5, f"peak {peak}"))
+    return rows
+
+
+def compare_prefill(py: str, repeat: int) -> list[dict]:
+    from common import hybrid_prefill, qwen3_next_config, random_prompt
+
+    from mambakv import KVCacheCoordinator
+    rows = []
+    prompt = random_prompt(480_031)
+    for line in run_peer(py, "vllm_hybrid_bench.py", "prefill480k", "--repeat", str(repeat)):
+        inf = int(line["in_flight"])
+        cfg = qwen3_next_config(nspec=5)
+        runs = [hybrid_prefill(KVCacheCoordinator(cfg, max_model_len=1 << 21), prompt, inf) for _ in range(repeat)]
+        assert runs[0]["mamba_peak"] == int(line["expected_mamba_peak"])
+        alloc_ms = statistics.median(r["sched_s"] for r in runs) * 1e3
+        hash_ms = statistics.median(r["hash_s"] for r in runs) * 1e3
+        rows.append(row(f"prefill_480k_hybrid alloc in_flight={inf}", alloc_ms, float(line["replay_ms_median"]),
+                        "ms/prefill", 0.5, f"{runs[0]['steps']} vs {line['steps']} steps"))
+        rows.append(row(f"prefill_480k_hybrid hash (list) in_flight={inf}", hash_ms, float(line["hash_ms"]),
+                        "ms", 1.0))
+    return rows
+
+
+def compare_decode(py: str) -> list[dict]:
+    from common import decode_setup, decode_steps
+    rows = []
+    for line in run_peer(py, "vllm_hybrid_bench.py", "decode"):
+        n = int(line["num_reqs"])
+        coord, reqs = decode_setup(n)
+        _, total = decode_steps(coord, reqs)
+        rows.append(row(f"decode {n} running (allocate+retire)", total / (n * 200) * 1e6,
+                        float(line["alloc_us_per_req_step"]), "us/req-step", 0.2))
+    return rows
+
+
+def compare_trace(py: str) -> list[dict]:
+    from mambakv.sim import run_trace
+    if not TRACE.exists():
+        print("trace absent: skipped")
+        return []
+    (line,) = run_peer(py, "vllm_hybrid_bench.py", "trace")
+    d = run_trace(TRACE, limit=3000, memory_gib=60.0, one_at_a_time=True).to_dict()
+    rows = [row("trace 3000 one at a time", d["library_us_per_step"], float(line["us_per_step"]), "us/step", 0.3)]
+    print(f"{'  hit rate':<44} {d['hit_rate']:>10.4f} {float(line['hit_rate']):>10.4f} (target: ours >= vLLM's)")
+    rows[0].update(hit_rate=d["hit_rate"], vllm_hit_rate=float(line["hit_rate"]))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vllm-python", default="/tmp/vvenv/bin/python")
+    ap.add_argument("--only", nargs="+", choices=["replay", "prefill", "decode", "trace"],
+                    default=["replay", "prefill", "decode", "trace"])
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--json", help="also write the rows to this file")
+    args = ap.parse_args()
+    print(f"{'workload':<44} {'mambakv':>10} {'vLLM':>10} {'unit':<12} {'ratio':>6} {'met':>4}")
+    rows: list[dict] = []
+    if "replay" in args.only:
+        rows += compare_replay(args.vllm_python, max(args.repeat, 20))
+    if "prefill" in args.only:
+        rows += compare_prefill(args.vllm_python, args.repeat)
+    if "decode" in args.only:
+        rows += compare_decode(args.vllm_python)
+    if "trace" in args.only:
+        rows += compare_trace(args.vllm_python)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
