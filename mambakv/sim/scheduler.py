@@ -14,12 +14,15 @@ One step::
 
 Chunked prefill (Mamba block size B, the request's N known tokens, c computed)::
 
-    stop  T = (N - 1) // B * B      (vLLM: N - N % B)  -- one chunk ends at T, so that a repeat
-                                                          of the prompt (hit capped at N - 1) finds
-                                                          a state there
+    stop  T = (N - 1) // B * B      (vLLM 0.33 too; older vLLM: N - N % B)  -- one chunk ends
+                                    at T, so that a repeat of the prompt (hit capped at N - 1)
+                                    finds a state there
     c < T:  chunk = largest multiple-of-B end <= min(c + budget, T), minus c;
             if that is 0, the unaligned remainder min(budget, N - c) (it publishes no state)
     c >= T: min(budget, N - c)
+    junction J = ``coord.get_shared_prefix_length`` at admission: a chunk with c < J < c + chunk
+            ends at J instead, so that the state at the end of a prefix shared with an earlier
+            request is published and the next request sharing it hits (vLLM 0.33 does too)
 
 Decode: a request whose last step samples a token waits for that result (no placeholders);
 with K speculative tokens a decode step schedules ``1 + K`` tokens, ``K`` of them drafts
@@ -58,7 +61,7 @@ class Scheduler(ResultProcessor):
         num_speculative_tokens: K drafts per decode step (the Mamba groups' nspec must be >= K).
         acceptance_rate: probability that each next draft is accepted (seeded).
         lag: steps between scheduling a step and processing its results (async scheduling).
-        stop_before_last_token: chunk stop at ``(N - 1) // B * B`` (True) or vLLM's ``N - N % B``.
+        stop_before_last_token: chunk stop at ``(N - 1) // B * B`` (True; vLLM 0.33 too) or older vLLM's ``N - N % B``.
         state_pools: group id -> ``MambaStatePool`` to run the copy / zero plans on.
         step_ms, ms_per_token: the step clock: a step lasts ``step_ms + ms_per_token x tokens``.
         seed: output ids and acceptance counts.
@@ -106,17 +109,21 @@ class Scheduler(ResultProcessor):
         self.metrics = SimMetrics.for_coordinator(coord)
 
     # ------------------------------------------------------------------ token choice
-    def prefill_chunk(self, computed: int, num_tokens: int, budget: int) -> int:
-        """Tokens to schedule for a request with `computed` of `num_tokens` known tokens."""
+    def prefill_chunk(self, computed: int, num_tokens: int, budget: int, junction: int = 0) -> int:
+        """Tokens to schedule for a request with `computed` of `num_tokens` known tokens;
+        a chunk that would run past `junction` (a multiple of the alignment) ends there."""
         B = self.align
         if not B:
             return min(budget, num_tokens - computed)
         stop = (num_tokens - 1) // B * B if self.stop_before_last_token else num_tokens - num_tokens % B
+        n = min(budget, num_tokens - computed)
         if computed < stop:
             end = min(computed + budget, stop) // B * B
             if end > computed:
-                return end - computed
-        return min(budget, num_tokens - computed)
+                n = end - computed
+        if computed < junction < computed + n:
+            return junction - computed
+        return n
 
     # ------------------------------------------------------------------ one step
     def _timed_allocate(self, req: Request, n: int, **kw) -> object:
@@ -172,7 +179,7 @@ class Scheduler(ResultProcessor):
                 drafts = min(self.K, budget - 1, coord.max_model_len - N)
                 n += drafts
             else:
-                n = self.prefill_chunk(c, N, budget)
+                n = self.prefill_chunk(c, N, budget, sreq.junction)
             while True:
                 new = self._timed_allocate(req, n)
                 if new is not None:
@@ -225,7 +232,12 @@ class Scheduler(ResultProcessor):
             mt.library_s += _now() - t
             if self.reserve_full_prompt and self.running and not self._fits(req, hits.blocks, hit):
                 break
-            n = self.prefill_chunk(hit, req.num_tokens, budget)
+            junction = 0
+            if self.align:
+                t = _now()
+                junction = coord.get_shared_prefix_length(req)
+                mt.library_s += _now() - t
+            n = self.prefill_chunk(hit, req.num_tokens, budget, junction)
             new = self._timed_allocate(req, n, num_new_computed_tokens=hit, new_computed_blocks=hits)
             if new is None:
                 if not self.running:
@@ -242,6 +254,7 @@ class Scheduler(ResultProcessor):
                 mt.cached_tokens += hit
             req.num_computed_tokens = hit
             sreq.processed = hit
+            sreq.junction = junction
             grew |= self._after_allocate(sreq, new) or hit > 0
             batch.append(self._schedule(sreq, n, 0))
             budget -= n
