@@ -53,6 +53,17 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+class _LiveRequest:
+    """A request that holds blocks: the Request (its hashes publish Mamba states at retire)
+    and the most tokens any ``allocate`` covered (``retire`` may not go past it)."""
+
+    __slots__ = ("request", "num_scheduled")
+
+    def __init__(self, request: Request, num_scheduled: int) -> None:
+        self.request = request
+        self.num_scheduled = num_scheduled
+
+
 @dataclass
 class _LookupGroup:
     """Groups that share one spec: one hit lookup serves all of them."""
@@ -108,9 +119,9 @@ class KVCacheCoordinator:
         #: hits must end on a multiple of every group's block size
         self.alignment_tokens = math.lcm(*sizes)
         self._lookup_groups = self._make_lookup_groups()
-        self._requests: dict[str, Request] = {}
-        #: request id -> most tokens (drafts included) any allocate covered: retire never goes past it
-        self._num_scheduled: dict[str, int] = {}
+        #: request id -> (Request, most tokens any allocate covered): one entry per request
+        #: that holds blocks; retire publishes with its hashes and is bounded by its count.
+        self._live: dict[str, _LiveRequest] = {}
         self.prefix_cache_stats = PrefixCacheStats()
         self.num_steps = 0
 
@@ -263,9 +274,11 @@ class KVCacheCoordinator:
             blocks = m.allocate_new_blocks(rid, num_tokens, num_lookahead_tokens, num_draft_tokens=num_drafts)
             new_blocks.append(blocks)
             any_new = any_new or bool(blocks)
-        self._requests[rid] = request
-        if self._num_scheduled.get(rid, 0) < num_tokens:
-            self._num_scheduled[rid] = num_tokens
+        live = self._live.get(rid)
+        if live is None:
+            self._live[rid] = _LiveRequest(request, num_tokens)
+        elif live.num_scheduled < num_tokens:
+            live.num_scheduled = num_tokens
         if self.enable_caching:
             num_real = num_tokens if num_drafts == 0 else request.num_tokens
             for m in self._publish_at_allocation:
@@ -308,12 +321,13 @@ class KVCacheCoordinator:
         """
         if num_processed_tokens < 0:
             raise InvalidTokenCountError(f"num_processed_tokens must be >= 0, got {num_processed_tokens}")
-        request = self._requests.get(request_id)
-        if request is None or num_processed_tokens == 0:
+        live = self._live.get(request_id)
+        if live is None or num_processed_tokens == 0:
             return
-        if num_processed_tokens > request.num_tokens or num_processed_tokens > self._num_scheduled[request_id]:
+        request = live.request
+        if num_processed_tokens > request.num_tokens or num_processed_tokens > live.num_scheduled:
             raise InvalidTokenCountError(
-                f"request {request_id!r} has {request.num_tokens} tokens, {self._num_scheduled[request_id]} "
+                f"request {request_id!r} has {request.num_tokens} tokens, {live.num_scheduled} "
                 f"scheduled: cannot have processed {num_processed_tokens}")
         if self.enable_caching:
             for m in self._publish_at_retire:
@@ -340,8 +354,7 @@ class KVCacheCoordinator:
         bookkeeping. Unknown ids are a no-op."""
         for m in self.managers:
             m.free(request_id)
-        self._requests.pop(request_id, None)
-        self._num_scheduled.pop(request_id, None)
+        self._live.pop(request_id, None)
 
     def preempt_all(self) -> list[str]:
         """Free every request (the engine re-queues them to recompute) and return their ids,
@@ -349,7 +362,7 @@ class KVCacheCoordinator:
         request's ``num_computed_tokens`` is set to 0 (it recomputes from scratch), and every
         piece of its bookkeeping, pending state copies included, is dropped: resumed, it
         looks up its prefix and builds a fresh table like a new request."""
-        requests = list(self._requests.values())
+        requests = [live.request for live in self._live.values()]
         for request in requests:
             self.free(request.request_id)
             request.num_computed_tokens = 0
@@ -389,7 +402,18 @@ class KVCacheCoordinator:
 
     @property
     def num_running_requests(self) -> int:
-        return len(self._requests)
+        """Requests that hold blocks (allocated and not freed)."""
+        return len(self._live)
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Ids of the requests that hold blocks, in allocation order."""
+        return list(self._live)
+
+    @property
+    def _requests(self) -> dict[str, Request]:
+        # Private alias kept for the fuzzing suite while it moves to request_ids.
+        return {rid: live.request for rid, live in self._live.items()}
 
     def check_invariants(self) -> None:
         """Pool and per-manager invariants, plus: every held block's ref count equals the
@@ -409,6 +433,6 @@ class KVCacheCoordinator:
         for bid, n in holders.items():
             assert pool.blocks[bid].ref_cnt == n, f"block {bid}: ref {pool.blocks[bid].ref_cnt} != {n} tables"
         assert pool.get_num_free_blocks() + len(holders) == pool.num_blocks - 1, "blocks leaked"
-        assert self._num_scheduled.keys() == self._requests.keys(), "scheduled counts out of sync"
-        for rid in self._requests:
+        for rid, live in self._live.items():
+            assert live.request.request_id == rid and live.num_scheduled > 0, f"{rid}: bad live entry"
             assert any(rid in m.req_to_blocks for m in self.managers), f"{rid}: request kept without blocks"

@@ -35,7 +35,7 @@ def test_reset_refused_while_running_then_preempt_all():
     assert coord.reset_prefix_cache() is True
     assert pool.cached_block_hash_to_block == {} and hashed_ids(pool) == []
     assert pool.get_num_free_blocks() == 9 and coord.num_running_requests == 0
-    assert all(m.num_requests == 0 for m in coord.managers) and coord._num_scheduled == {}
+    assert all(m.num_requests == 0 for m in coord.managers) and coord.request_ids == []
     # a's blocks went back reversed (hashed then) -> tail: 6..9, 5, 4, 3, 2, 1; reset keeps order.
     assert queue_ids(pool) == [6, 7, 8, 9, 5, 4, 3, 2, 1]
     hit, new = admit(coord, a)

@@ -79,7 +79,7 @@ def snapshot(coord: KVCacheCoordinator) -> tuple:
             extra = tuple((k, repr(getattr(st, k))) for k in getattr(type(st), "__slots__", ()))
             per_req[rid] = ([b.block_id for b in st.blocks], st.num_cached_blocks, st.retired_below, extra)
         tables.append(per_req)
-    return pool_snapshot(coord.block_pool), tables, sorted(coord._requests)
+    return pool_snapshot(coord.block_pool), tables, sorted(coord.request_ids)
 
 
 class Engine:
