@@ -84,6 +84,11 @@ class FreeBlockQueue:
         self.num_free_blocks -= 1
         return block
 
+    def first(self) -> KVCacheBlock | None:
+        """The head block (the next one ``popleft`` takes), or None when empty; changes nothing."""
+        block = self._head.next_free_block
+        return None if block is self._tail or block is None else block
+
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         """Take the first `n` blocks in queue order. Raises OutOfBlocksError (nothing taken)
         if fewer than `n` are free."""
@@ -140,7 +145,7 @@ class FreeBlockQueue:
         n = 0
         for block in blocks:
             if block.prev_free_block is not None:
-                self._unlink_run(start, n, self._tail)
+                self._unlink_run(start, self._tail)
                 raise DoubleFreeError(f"block {block.block_id} is already in the free queue or listed twice")
             last.next_free_block = block  # type: ignore[union-attr]
             block.prev_free_block = last
@@ -160,9 +165,9 @@ class FreeBlockQueue:
             return
         first = self._head.next_free_block
         prev = self._head
-        for i, block in enumerate(blocks):
+        for block in blocks:
             if block.prev_free_block is not None:
-                self._unlink_run(self._head, i, first)  # type: ignore[arg-type]
+                self._unlink_run(self._head, first)  # type: ignore[arg-type]
                 raise DoubleFreeError(f"block {block.block_id} is already in the free queue or listed twice")
             prev.next_free_block = block
             block.prev_free_block = prev
@@ -172,13 +177,15 @@ class FreeBlockQueue:
         self.num_free_blocks += len(blocks)
 
     @staticmethod
-    def _unlink_run(start: KVCacheBlock, n: int, after: KVCacheBlock) -> None:
-        """Undo a partial bulk insert: clear the links of the `n` blocks linked after `start`
-        and reconnect `start` to `after` (whose back link was never changed)."""
+    def _unlink_run(start: KVCacheBlock, after: KVCacheBlock) -> None:
+        """Undo a partial bulk insert: clear the links of the blocks linked after `start` (the
+        run ends at the last one linked, whose forward link is still None: it was not queued;
+        with nothing linked, `start` still points at `after`) and reconnect `start` to `after`
+        (whose back link was never changed)."""
         block = start.next_free_block
-        for _ in range(n):
-            nxt = block.next_free_block  # type: ignore[union-attr]
-            block.prev_free_block = block.next_free_block = None  # type: ignore[union-attr]
+        while block is not None and block is not after:
+            nxt = block.next_free_block
+            block.prev_free_block = block.next_free_block = None
             block = nxt
         start.next_free_block = after
 

@@ -80,6 +80,8 @@ class BlockPool:
         # group id -> block hash -> block, or {block_id: block} when several share the hash
         self.cached_block_hash_to_block: dict[int, dict[bytes, _MapEntry]] = {}
         self.num_evictions = 0  # cached blocks whose hash was dropped to reuse them
+        #: blocks taken out of circulation for good by ``reserve_blocks`` (in use, never freed)
+        self.num_reserved_blocks = 0
         self._events: list[KVCacheEvent] = []
 
     # ------------------------------------------------------------------ queries
@@ -136,6 +138,32 @@ class BlockPool:
             block.ref_cnt = 1
         return blocks
 
+    def get_new_unhashed_block(self) -> KVCacheBlock | None:
+        """Pop the head block with ref count 1 if it carries no hash, i.e. a block that is free
+        *without evicting* a cached one; otherwise return None and change nothing.
+
+        Unhashed free blocks always sit before hashed ones (see the module docstring), so None
+        means that every free block is cached (or none is free). Used for lazy Mamba spares."""
+        q = self.free_block_queue
+        block = q.first()
+        if block is None or block.block_hash is not None:
+            return None
+        q.popleft()
+        block.ref_cnt = 1
+        return block
+
+    def reserve_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take `num_blocks` blocks out of circulation for good (ref count 1, never freed by the
+        pool's users), e.g. the scratch region of a lazy Mamba group. They count as used in
+        ``usage``; ``reset_prefix_cache`` ignores them.
+
+        Raises:
+            InvalidTokenCountError / OutOfBlocksError: as ``get_new_blocks`` (nothing changes).
+        """
+        blocks = self.get_new_blocks(num_blocks)
+        self.num_reserved_blocks += num_blocks
+        return blocks
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Ref count +1 for each block (a prefix hit); a block at 0 leaves the free queue
         first. The null block is skipped (it may repeat: ``[null, null, b2, b3]``).
@@ -175,12 +203,17 @@ class BlockPool:
             self._raise_duplicate(blocks)
         unhashed: list[KVCacheBlock] = []
         hashed: list[KVCacheBlock] = []
+        to_head, to_tail = unhashed.append, hashed.append
         for block in blocks:
-            if block.ref_cnt <= 0:
+            ref_cnt = block.ref_cnt - 1
+            if ref_cnt < 0:
                 self._undo_free(blocks, block)
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                (unhashed if block.block_hash is None else hashed).append(block)
+            block.ref_cnt = ref_cnt
+            if ref_cnt == 0:
+                if block.block_hash is None:
+                    to_head(block)
+                else:
+                    to_tail(block)
         if unhashed:
             self.free_block_queue.prepend_n(unhashed)
         if hashed:
@@ -290,8 +323,9 @@ class BlockPool:
         """Drop every hash, if no block other than the null block is in use.
 
         Returns False and changes nothing while any request holds a block (free or preempt
-        them first, see docs/engine-integration.md)."""
-        if self.free_block_queue.num_free_blocks != self.num_blocks - 1:
+        them first, see docs/engine-integration.md). Reserved blocks (``reserve_blocks``) do
+        not count as in use here."""
+        if self.free_block_queue.num_free_blocks != self.num_blocks - 1 - self.num_reserved_blocks:
             return False
         for block in self.blocks:
             block.block_hash = None
