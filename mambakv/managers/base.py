@@ -229,13 +229,18 @@ class SingleTypeKVCacheManager(ABC):
         st = self._reqs.get(request_id)
         if st is None:
             return
-        # get_num_skipped_tokens, inlined (a negative count leaves num_slots below 0)
-        num_slots = (num_processed_tokens - self.num_kept_tokens) // self.block_size
+        num_slots = self._num_dead_slots(st, num_processed_tokens)
         if num_slots <= st.retired_below:
             return  # the common decode step: nothing new to retire
         freed = self._retire_below(st, num_slots)
         if freed:
             self.block_pool.free_blocks(freed)
+
+    def _num_dead_slots(self, st: RequestBlocks, num_processed_tokens: int) -> int:
+        """Leading table slots no longer needed once `num_processed_tokens` are processed:
+        ``get_num_skipped_tokens(n) // block_size`` (inlined: a negative result retires
+        nothing)."""
+        return (num_processed_tokens - self.num_kept_tokens) // self.block_size
 
     def _retire_below(self, st: RequestBlocks, num_slots: int) -> list[KVCacheBlock]:
         """Null out table entries ``[watermark, num_slots)``, skipping null gaps, and move the

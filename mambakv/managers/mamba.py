@@ -42,9 +42,11 @@ class MambaRequestBlocks(RequestBlocks):
             position is processed (the state is published then) or the block is rewritten.
         verify_steps: ``(running slot, tokens, drafts)`` of steps with draft tokens whose
             ``accept_drafts`` has not come yet, oldest first.
+        verified: ``(position, slot)`` of verified steps whose state sits above slot
+            ``(position - 1) // bs`` (drafts moved the running slot on), until processed.
     """
 
-    __slots__ = ("running_slot", "num_tokens", "positions", "verify_steps")
+    __slots__ = ("running_slot", "num_tokens", "positions", "verify_steps", "verified")
 
     def __init__(self) -> None:
         super().__init__()
@@ -52,6 +54,7 @@ class MambaRequestBlocks(RequestBlocks):
         self.num_tokens = 0
         self.positions: dict[int, int] = {}
         self.verify_steps: deque[tuple[int, int, int]] = deque()
+        self.verified: deque[tuple[int, int]] = deque()
 
 
 class MambaManager(SingleTypeKVCacheManager):
@@ -109,7 +112,9 @@ class MambaManager(SingleTypeKVCacheManager):
         the new running slot (``_pad_to_running_slot``); scratch blocks now below the running
         slot move to the end (``_relocate_scratch_blocks``); then the one missing block (or
         ``1 + nspec`` for a new request) is allocated. Asking for fewer tokens than the table
-        covers changes nothing.
+        covers changes nothing, except for a verify step (drafts): an earlier step's rejected
+        drafts moved the running slot past where this step reaches, and it runs in place in
+        the running block (its ``accept_drafts`` must find it).
 
         `num_draft_tokens`: how many of the main tokens are unverified drafts (then
         ``accept_drafts`` must follow the step's verify).
@@ -119,6 +124,10 @@ class MambaManager(SingleTypeKVCacheManager):
         st = self._reqs.get(request_id) or self._state(request_id)
         S = self.num_speculative_blocks
         running = -(num_tokens // -self.block_size) - 1 if self._align else 0
+        if num_draft_tokens and 0 <= running < st.running_slot:
+            # Block 2, 3 computed, 1 + 3 drafts: running slot 3; 0 accepted; the next step,
+            # 1 + 1 drafts from 4, reaches slot 2 only, but the state at 4 is in slot 3.
+            running = st.running_slot
         if running == st.running_slot:
             # The common decode step: the running state advances in place (unless it is
             # already published, i.e. fewer tokens than before were asked for).
@@ -212,6 +221,8 @@ class MambaManager(SingleTypeKVCacheManager):
             raise InvalidDraftCountError(f"accepted {num_accepted} of {num_drafts} drafts")
         st.verify_steps.popleft()
         position = num_tokens - num_drafts + num_accepted
+        if self._align and slot > (position - 1) // self.block_size:
+            st.verified.append((position, slot))  # see remove_skipped_blocks
         # Tag a boundary state only if no later step was planned into this block meanwhile
         # (async scheduling): then the block keeps exactly this state.
         latest = not st.verify_steps and st.running_slot == slot and st.num_tokens == num_tokens
@@ -256,6 +267,22 @@ class MambaManager(SingleTypeKVCacheManager):
                 keys = group_block_hashes(request, bs)
             if slot < len(keys) and block is not self.null_block:
                 self.block_pool.cache_full_blocks([block], [keys[slot]], self.kv_cache_group_id, block_size=bs)
+
+    def _num_dead_slots(self, st: RequestBlocks, num_processed_tokens: int) -> int:
+        """Slots below ``(n - 1) // bs`` (only the last state matters), plus: the state of a
+        verified step lives in its running slot, which its drafts may have pushed past
+        ``(n - 1) // bs``; once that state is processed, every slot below it is dead too.
+        Block 2, nspec 3, after 1 computed token a step of 1 + 2 drafts runs at slot 1; with 0
+        accepted its state is at 2 tokens, so retiring to 2 frees slot 0 (the first rule frees
+        ``(2 - 1) // 2 = 0`` slots: the request would hold 6 blocks, not 2 + 3, after its next
+        step)."""
+        num_slots = (num_processed_tokens - self.num_kept_tokens) // self.block_size
+        verified = st.verified  # type: ignore[attr-defined]
+        while verified and verified[0][0] <= num_processed_tokens:
+            slot = verified.popleft()[1]
+            if slot > num_slots:
+                num_slots = slot
+        return num_slots
 
     def _retire_below(self, st: RequestBlocks, num_slots: int) -> list[KVCacheBlock]:
         """Base retirement, after checking that it stays below the running slot: processed

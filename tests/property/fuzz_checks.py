@@ -1,0 +1,189 @@
+"""Checks the stateful fuzzer runs after every rule, written against the shadow model.
+
+Every assertion message starts with an upper-case tag (LEAK, BOUND, SHADOW TABLE, REF, QUEUE,
+MAP, PUBLISH, EVICTION ORDER, STATE ORACLE, ...) so that the teeth tests can tell which
+property caught a planted bug.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from mambakv import KVCacheCoordinator, MambaManager
+from tests.property.fuzz_model import Device, FuzzConfig, ShadowReq, cdiv, expected_hit_length
+
+
+def held_ids(reqs: dict[str, ShadowReq]) -> Counter:
+    """Non-null block id -> number of shadow tables holding it."""
+    count: Counter = Counter()
+    for sr in reqs.values():
+        if sr.running:
+            for table in sr.tables:
+                count.update(b for b in table if b)
+    return count
+
+
+def live_requests(coord: KVCacheCoordinator) -> dict:
+    """The coordinator's per-request records (request id -> record)."""
+    live = getattr(coord, "_live", None)
+    return live if live is not None else coord._requests
+
+
+def snapshot(coord: KVCacheCoordinator) -> tuple:
+    """Everything an allocate may touch: blocks, queue order, map, per-request bookkeeping of
+    every manager, pending plans, the coordinator's request map."""
+    pool = coord.block_pool
+    blocks = tuple((b.ref_cnt, b.block_hash, b.cache_group_id) for b in pool.blocks)
+    queue = tuple(b.block_id for b in pool.free_block_queue.get_all_free_blocks())
+    cmap = tuple(sorted(
+        (gid, h, tuple(sorted(e)) if isinstance(e, dict) else (e.block_id,))
+        for gid, m in pool.cached_block_hash_to_block.items() for h, e in m.items()))
+    mgrs = []
+    for m in coord.managers:
+        reqs = {}
+        for rid, s in m._reqs.items():
+            reqs[rid] = (tuple(b.block_id for b in s.blocks), s.num_cached_blocks, s.retired_below,
+                         getattr(s, "running_slot", None), getattr(s, "num_tokens", None),
+                         dict(getattr(s, "positions", {})), tuple(getattr(s, "verify_steps", ())),
+                         tuple(getattr(s, "verified", ())))
+        plans = (tuple(getattr(m, "_copy_plan", ())), tuple(getattr(m, "_zero_plan", ())))
+        mgrs.append((reqs, plans))
+    live = tuple(sorted((rid, getattr(r, "num_scheduled", None)) for rid, r in live_requests(coord).items()))
+    return blocks, queue, cmap, mgrs, live, pool.get_num_free_blocks()
+
+
+def check_unchanged(before: tuple, coord: KVCacheCoordinator, what: str) -> None:
+    after = snapshot(coord)
+    names = ("blocks", "free queue", "prefix map", "manager bookkeeping", "coordinator requests", "free count")
+    for name, b, a in zip(names, before, after):
+        assert b == a, f"UNCHANGED: {what} changed the {name}"
+
+
+def check_eviction_order(coord: KVCacheCoordinator) -> None:
+    """The free queue is ``[unhashed ...][hashed ...]``: freed unhashed blocks go to the head,
+    hashed ones to the tail, a free block that loses its hash moves to the head; so a cached
+    block is never evicted while an unhashed free block exists (DESIGN.md 3)."""
+    queue = coord.block_pool.free_block_queue.get_all_free_blocks()
+    seen_hashed = None
+    for b in queue:
+        if b.block_hash is not None:
+            seen_hashed = seen_hashed or b
+        else:
+            assert seen_hashed is None, (f"EVICTION ORDER: unhashed free block {b.block_id} queued behind "
+                                         f"cached block {seen_hashed.block_id}")
+
+
+def check_pool(coord: KVCacheCoordinator, reqs: dict[str, ShadowReq], published: dict) -> None:
+    """Conservation, ref counts, queue membership, null block, prefix-cache map, publications."""
+    pool = coord.block_pool
+    n = pool.num_blocks
+    holders = held_ids(reqs)
+    null = pool.blocks[0]
+    assert null.is_null and null.block_hash is None, "NULL: null block hashed"
+    assert null.ref_cnt == 0, f"NULL: null block counted (ref {null.ref_cnt})"
+    queue = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+    assert len(queue) == len(set(queue)) == pool.get_num_free_blocks(), "QUEUE: duplicate or miscounted"
+    assert 0 not in queue, "NULL: null block queued"
+    assert pool.get_num_free_blocks() + len(holders) == n - 1, (
+        f"LEAK: {pool.get_num_free_blocks()} free + {len(holders)} held != {n - 1}")
+    free = set(queue)
+    for b in pool.blocks[1:]:
+        assert b.ref_cnt == holders.get(b.block_id, 0), (
+            f"REF: block {b.block_id} ref {b.ref_cnt}, held by {holders.get(b.block_id, 0)} tables")
+        assert (b.block_id in free) == (b.ref_cnt == 0), f"QUEUE: block {b.block_id} ref {b.ref_cnt} vs queue"
+    mapped = []
+    for gid, m in pool.cached_block_hash_to_block.items():
+        for h, entry in m.items():
+            group = list(entry.values()) if isinstance(entry, dict) else [entry]
+            assert group, f"MAP: empty entry in group {gid}"
+            for b in group:
+                assert not b.is_null, "MAP: null block in the map"
+                assert b.block_hash == h and b.cache_group_id == gid, f"MAP: block {b.block_id} under a foreign hash"
+                mapped.append(b.block_id)
+    hashed = [b.block_id for b in pool.blocks if b.block_hash is not None]
+    assert sorted(mapped) == sorted(hashed), f"MAP: hashed {sorted(hashed)} vs mapped {sorted(mapped)}"
+    for bid in list(published):
+        gid, h, _ = published[bid]
+        if pool.blocks[bid].block_hash != h:
+            del published[bid]  # evicted, reset or reused since
+    for bid in hashed:
+        b = pool.blocks[bid]
+        assert bid in published and published[bid][:2] == (b.cache_group_id, b.block_hash), (
+            f"PUBLISH: block {bid} hashed outside an allowed publication point")
+
+
+def check_requests(coord: KVCacheCoordinator, cfg: FuzzConfig, reqs: dict[str, ShadowReq]) -> None:
+    """Per request: leak and bound first (they name the failure), then the exact shadow table,
+    then the Mamba bookkeeping (watermark, scratch blocks, running slot)."""
+    running = {rid for rid, sr in reqs.items() if sr.running}
+    held_ids = set(live_requests(coord))
+    assert held_ids == running, f"BOOKKEEPING: coordinator holds {held_ids} vs {running}"
+    for rid, sr in reqs.items():
+        lib = coord.get_block_ids(rid)
+        if not sr.running:
+            assert not any(lib), f"BOOKKEEPING: {rid} not admitted but holds {lib}"
+            assert all(rid not in m._reqs for m in coord.managers), f"BOOKKEEPING: {rid} kept by a manager"
+            continue
+        lag = max(0, sr.steps_in_flight() - 1)
+        for g, kind in enumerate(cfg.kinds):
+            table = lib[g]
+            below = sr.retired.get(g, 0)
+            assert not any(table[:below]), f"LEAK: {rid} group {g} keeps {table} below slot {below}"
+            if kind == "mamba":
+                held = sum(1 for b in table if b)
+                assert held <= 2 + cfg.nspec + lag, (
+                    f"BOUND: {rid} group {g} holds {held} > 2 + {cfg.nspec} + {lag} state blocks: {table}")
+            assert table == sr.tables[g], f"SHADOW TABLE: {rid} group {g} library {table} vs model {sr.tables[g]}"
+    pool = coord.block_pool
+    for g in cfg.mamba_gids:
+        m = coord.managers[g]
+        assert isinstance(m, MambaManager)
+        for rid, st in m._reqs.items():
+            sr = reqs[rid]
+            wm = st.retired_below
+            assert wm >= sr.watermark.get(g, 0), f"WATERMARK: {rid} group {g} went down to {wm}"
+            sr.watermark[g] = wm
+            assert all(b.is_null for b in st.blocks[:wm]), f"WATERMARK: {rid} group {g} real block below {wm}"
+            assert st.running_slot == sr.running_slot.get(g, -1), (
+                f"SHADOW TABLE: {rid} group {g} running slot {st.running_slot} vs {sr.running_slot.get(g)}")
+            for b in st.blocks[st.running_slot + 1:]:
+                assert b.ref_cnt == 1 and b.block_hash is None, f"SCRATCH: {rid} group {g} block {b.block_id}"
+    if not running:
+        assert pool.get_num_free_blocks() == pool.num_blocks - 1, "LEAK: no request left, not every block free"
+
+
+def hit_still_valid(cfg: FuzzConfig, pool, published: dict, tokens: list[int], hit, n: int) -> bool:
+    """Every real block of the hit still carries the hash it was published with, for exactly
+    this request's prefix up to the block's end (recorded independently of the hash code)."""
+    for g, blocks in enumerate(hit.blocks if n else ()):
+        for i, b in enumerate(blocks):
+            if b.is_null:
+                continue
+            end = (i + 1) * cfg.block_sizes[g]
+            if published.get(b.block_id) != (g, pool.blocks[b.block_id].block_hash, tuple(tokens[:end])):
+                return False
+    return True
+
+
+def check_hit(cfg: FuzzConfig, pool, published: dict, device: Device, tokens: list[int], hit, n: int) -> None:
+    """A get_computed_blocks answer: aligned, capped at ``num_tokens - 1``, as long as the brute
+    force over the publication record says, the right shape per group, blocks holding this
+    prefix, and (where states are exact) Mamba hits pointing at the state of this prefix."""
+    align = math.lcm(*cfg.block_sizes)
+    assert 0 <= n <= len(tokens) - 1 and n % align == 0, f"HIT: length {n} of {len(tokens)} tokens"
+    live = {(g, p) for bid, (g, h, p) in published.items() if pool.blocks[bid].block_hash == h}
+    want = expected_hit_length(cfg, lambda g, i: (g, tuple(tokens[:(i + 1) * cfg.block_sizes[g]])) in live,
+                               len(tokens))
+    assert n == want, f"HIT: length {n}, brute force says {want}"
+    for g, (kind, bs, w) in enumerate(zip(cfg.kinds, cfg.block_sizes, cfg.windows)):
+        blocks = hit.blocks[g] if n else []
+        assert len(blocks) == n // bs, f"HIT: group {g} has {len(blocks)} blocks for {n} tokens"
+        real_from = {"full": 0, "swa": max(0, n // bs - cdiv(w - 1, bs)), "mamba": n // bs - 1}[kind]
+        for j, b in enumerate(blocks):
+            assert b.is_null == (j < real_from), f"HIT: group {g} slot {j} null={b.is_null}"
+    assert hit_still_valid(cfg, pool, published, tokens, hit, n), "HIT: a hit block does not hold this prefix"
+    if cfg.content_checked and n:
+        for g in cfg.mamba_gids:
+            tag = device.tag(g, hit.blocks[g][-1].block_id)
+            assert tag == (tuple(tokens[:n]), n), f"STATE ORACLE: hit at {n} points at a state {tag[1:]}"
