@@ -20,41 +20,15 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Union
 
 from mambakv.block import FreeBlockQueue, KVCacheBlock
 from mambakv.errors import DoubleFreeError, InvalidBlockError, InvalidTokenCountError, OutOfBlocksError
+from mambakv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
+__all__ = ["AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "KVCacheEvent"]
 
 
-@dataclass(frozen=True)
-class BlockStored:
-    """KV event: blocks were published (vLLM's ``BlockStored`` fields)."""
-
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None = "GPU"
-    group_id: int = 0
-
-
-@dataclass(frozen=True)
-class BlockRemoved:
-    """KV event: published blocks were evicted (vLLM's ``BlockRemoved`` fields)."""
-
-    block_hashes: list[bytes]
-    medium: str | None = "GPU"
-
-
-@dataclass(frozen=True)
-class AllBlocksCleared:
-    """KV event: the whole prefix cache was dropped."""
-
-
-KVCacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
-_MapEntry = Union[KVCacheBlock, dict]
+_MapEntry = KVCacheBlock | dict
 
 
 class BlockPool:

@@ -18,7 +18,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from mambakv.block import KVCacheBlock
 from mambakv.block_pool import BlockPool
 from mambakv.errors import HashBlockSizeMismatchError, InvalidTokenCountError
-from mambakv.hashing import coarse_block_hashes
 from mambakv.request import Request
 from mambakv.spec import KVCacheSpec
 
