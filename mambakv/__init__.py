@@ -15,7 +15,8 @@ from mambakv.errors import (BlockNotFreeError, DoubleFreeError, HashBlockSizeMis
                             InvalidDraftCountError, InvalidSpecError, InvalidTokenCountError, MambaKVError,
                             ModelConfigError, OutOfBlocksError, StaleCacheHitError, TraceFormatError)
 from mambakv.hashing import hash_block_tokens, init_none_hash
-from mambakv.managers import FullAttentionManager, MambaManager, SingleTypeKVCacheManager, SlidingWindowManager
+from mambakv.managers import (FullAttentionManager, LazyMambaManager, MambaManager, SingleTypeKVCacheManager,
+                              SlidingWindowManager, StatePlan)
 from mambakv.request import Request
 from mambakv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, MambaCacheMode, MambaSpec,
                           SlidingWindowSpec)
@@ -37,8 +38,9 @@ __all__ = [
     "AllBlocksCleared", "BlockNotFreeError", "BlockPool", "BlockRemoved", "BlockStored", "DoubleFreeError",
     "FreeBlockQueue", "FullAttentionManager", "FullAttentionSpec", "HashBlockSizeMismatchError",
     "InvalidBlockError", "InvalidDraftCountError", "InvalidSpecError", "InvalidTokenCountError", "KVCacheBlock", "KVCacheBlocks",
-    "KVCacheConfig", "KVCacheCoordinator", "KVCacheGroupSpec", "KVCacheSpec", "MambaCacheMode", "MambaKVError",
+    "KVCacheConfig", "KVCacheCoordinator", "KVCacheGroupSpec", "KVCacheSpec", "LazyMambaManager", "MambaCacheMode",
+    "MambaKVError",
     "MambaManager", "MambaSpec", "MambaStatePool", "ModelConfigError", "OutOfBlocksError", "PrefixCacheStats",
-    "Request", "SingleTypeKVCacheManager", "SlidingWindowManager", "SlidingWindowSpec", "StaleCacheHitError",
+    "Request", "SingleTypeKVCacheManager", "SlidingWindowManager", "SlidingWindowSpec", "StaleCacheHitError", "StatePlan",
     "TraceFormatError", "hash_block_tokens", "init_none_hash",
 ]

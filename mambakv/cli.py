@@ -37,6 +37,9 @@ def _add_common(p: argparse.ArgumentParser, *, in_flight: int, spec_tokens: int)
     p.add_argument("--in-flight", type=int, default=in_flight,
                    help=f"async lag: steps whose results are not processed yet (default {in_flight})")
     p.add_argument("--use-eagle", action="store_true", help="EAGLE/MTP back-off of prefix hits")
+    p.add_argument("--mamba-policy", choices=("eager", "lazy", "lazy-evict"), default="eager",
+                   help="Mamba state blocks: eager align (default), lazy (align_lazy: working block + private "
+                        "checkpoint, spares never evict), lazy-evict (spares may evict); see docs/replay.md")
     p.add_argument("--step-ms", type=float, default=10.0, help="step clock: fixed ms per step (default 10)")
     p.add_argument("--ms-per-token", type=float, default=0.05, help="step clock: ms per scheduled token (0.05)")
     p.add_argument("--seed", type=int, default=0)
@@ -147,7 +150,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     model = args.config or args.model or DEFAULT_MODEL
     common = dict(max_num_batched_tokens=args.max_num_batched_tokens, num_speculative_tokens=args.num_speculative_tokens,
                   in_flight=args.in_flight, memory_gib=args.memory_gib, use_eagle=args.use_eagle, seed=args.seed,
-                  acceptance_rate=args.acceptance_rate, step_ms=args.step_ms, ms_per_token=args.ms_per_token)
+                  acceptance_rate=args.acceptance_rate, step_ms=args.step_ms, ms_per_token=args.ms_per_token,
+                  mamba_policy=args.mamba_policy)
     bar = None
     try:
         if args.command == "replay":

@@ -21,7 +21,7 @@ from mambakv.block import KVCacheBlock
 from mambakv.block_pool import BlockPool
 from mambakv.errors import (HashBlockSizeMismatchError, InvalidTokenCountError, MambaKVError,
                             StaleCacheHitError)
-from mambakv.managers import MambaManager, SingleTypeKVCacheManager, make_manager
+from mambakv.managers import LazyMambaManager, MambaManager, SingleTypeKVCacheManager, StatePlan, make_manager
 from mambakv.managers.base import group_block_hashes
 from mambakv.request import Request
 from mambakv.spec import KVCacheConfig
@@ -85,6 +85,10 @@ class KVCacheCoordinator:
         hash_block_size: tokens per request hash block; None = the smallest group block size.
             It must divide every group's block size.
         enable_kv_cache_events: record KV events in the pool (``block_pool.take_events()``).
+        max_num_seqs: most running requests; sizes each lazy Mamba group's scratch region
+            (``max_num_seqs x nspec`` blocks reserved from the pool; unused otherwise).
+        lazy_spare_may_evict: lazy Mamba groups may evict a cached block for a spare (the
+            "lazy-evict" benchmark policy; the default never does).
 
     Raises:
         HashBlockSizeMismatchError: `hash_block_size` does not divide a group's block size.
@@ -93,7 +97,8 @@ class KVCacheCoordinator:
 
     def __init__(self, kv_cache_config: KVCacheConfig, *, max_model_len: int, enable_caching: bool = True,
                  use_eagle: bool = False, hash_block_size: int | None = None,
-                 enable_kv_cache_events: bool = False) -> None:
+                 enable_kv_cache_events: bool = False, max_num_seqs: int = 256,
+                 lazy_spare_may_evict: bool = False) -> None:
         groups = kv_cache_config.kv_cache_groups
         sizes = [g.kv_cache_spec.block_size for g in groups]
         self.hash_block_size = min(sizes) if hash_block_size is None else hash_block_size
@@ -107,10 +112,13 @@ class KVCacheCoordinator:
         self.use_eagle = use_eagle
         self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching, enable_kv_cache_events)
         self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
-            make_manager(g.kv_cache_spec, self.block_pool, enable_caching=enable_caching, kv_cache_group_id=i)
+            make_manager(g.kv_cache_spec, self.block_pool, enable_caching=enable_caching, kv_cache_group_id=i,
+                         max_num_seqs=max_num_seqs, spare_may_evict=lazy_spare_may_evict)
             for i, g in enumerate(groups)
         )
         self.mamba_managers = tuple(m for m in self.managers if isinstance(m, MambaManager))
+        #: ALIGN_LAZY groups: validated, told the computed tokens, and given spares last
+        self.lazy_managers = tuple(m for m in self.managers if isinstance(m, LazyMambaManager))
         self._publish_at_allocation = tuple(m for m in self.managers if m.publishes_at_allocation)
         self._publish_at_retire = tuple(m for m in self.managers if not m.publishes_at_allocation)
         self._retiring = tuple(m for m in self.managers if m.retires)
@@ -219,13 +227,17 @@ class KVCacheCoordinator:
     # ------------------------------------------------------------------ allocation
     def allocate(self, request: Request, num_new_tokens: int, *, num_new_computed_tokens: int = 0,
                  new_computed_blocks: KVCacheBlocks | None = None,
-                 num_lookahead_tokens: int = 0) -> KVCacheBlocks | None:
+                 num_lookahead_tokens: int = 0, num_draft_tokens: int | None = None) -> KVCacheBlocks | None:
         """Make every group's table cover ``computed + num_new_tokens`` tokens.
 
         ``computed = request.num_computed_tokens + num_new_computed_tokens``; tokens beyond
         ``request.num_tokens`` are draft tokens under verification (never hashed; the Mamba
         groups expect ``accept_drafts`` after the verify). `num_lookahead_tokens` reserves
         attention slots for the drafter's next proposals (never Mamba blocks).
+        `num_draft_tokens`: how many of the new tokens are drafts; None derives it as
+        ``computed + num_new_tokens - request.num_tokens``. Pass it under async scheduling
+        with drafts (an optimistic computed count makes the derived value too large); lazy
+        Mamba groups refuse more drafts than their nspec.
 
         Returns the newly allocated blocks per group (a shared empty result when no group got a
         block: do not mutate it), or None when the pool cannot supply them (hit blocks still in
@@ -236,7 +248,13 @@ class KVCacheCoordinator:
                 ``max_model_len`` tokens.
             StaleCacheHitError: a hit block was evicted and reused since ``get_computed_blocks``.
             HashBlockSizeMismatchError: the request hashes with another block size.
+            InvalidDraftCountError: a lazy Mamba group's draft rule (LazyMambaManager.check_step).
+
+        None is also returned when a lazy Mamba group's scratch region has no rows for a
+        request's first step with drafts (more than ``max_num_seqs`` such requests).
         """
+        if num_draft_tokens is not None and not 0 <= num_draft_tokens < num_new_tokens:
+            raise InvalidTokenCountError(f"num_draft_tokens must be in 0..{num_new_tokens - 1}, got {num_draft_tokens}")
         if num_new_tokens <= 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
             raise InvalidTokenCountError(
                 f"need num_new_tokens > 0 and non-negative counts, got {num_new_tokens}, "
@@ -253,14 +271,20 @@ class KVCacheCoordinator:
         else:
             hits = self._checked_hits(request, new_computed_blocks)
         managers = self.managers
+        if num_draft_tokens is None:
+            num_drafts = num_tokens - request.num_tokens
+            if num_drafts < 0:
+                num_drafts = 0
+        else:
+            num_drafts = num_draft_tokens
+        for m in self.lazy_managers:
+            if not m.check_step(rid, num_tokens, num_computed, num_drafts):
+                return None
         need = 0
         for m, hit in zip(managers, hits):
             need += m.get_num_blocks_to_allocate(rid, num_tokens, hit, num_computed, num_lookahead_tokens)
         if need > self.block_pool.free_block_queue.num_free_blocks:
             return None
-        num_drafts = num_tokens - request.num_tokens
-        if num_drafts < 0:
-            num_drafts = 0
         new_blocks = []
         any_new = False
         if hits is not self._no_hits:
@@ -270,10 +294,18 @@ class KVCacheCoordinator:
             for m, hit in zip(managers, hits):
                 if hit:
                     m.add_computed_blocks(rid, hit)
+        lazy = self.lazy_managers
         for m in managers:
-            blocks = m.allocate_new_blocks(rid, num_tokens, num_lookahead_tokens, num_draft_tokens=num_drafts)
+            if lazy and m in lazy:
+                blocks = m.allocate_new_blocks(rid, num_tokens, num_lookahead_tokens,  # type: ignore[call-arg]
+                                               num_draft_tokens=num_drafts, num_computed_tokens=num_computed,
+                                               defer_spare=True)
+            else:
+                blocks = m.allocate_new_blocks(rid, num_tokens, num_lookahead_tokens, num_draft_tokens=num_drafts)
             new_blocks.append(blocks)
             any_new = any_new or bool(blocks)
+        for m in lazy:  # optional spares last: they may only use blocks nobody counted on
+            m.plan_checkpoint_write(rid)
         live = self._live.get(rid)
         if live is None:
             self._live[rid] = _LiveRequest(request, num_tokens)
@@ -391,6 +423,27 @@ class KVCacheCoordinator:
                 out[m.kv_cache_group_id] = plan
         return out
 
+    def take_checkpoint_writes(self) -> dict[int, list[tuple[str, int, int]]]:
+        """Per lazy Mamba group: ``(request id, block id, position)`` for each step planned
+        since the last call inside a crossing window: its forward writes the state at
+        `position` into that block if the step computes that position (drafts included)."""
+        out = {}
+        for m in self.lazy_managers:
+            writes = m.take_checkpoint_writes()
+            if writes:
+                out[m.kv_cache_group_id] = writes
+        return out
+
+    def get_state_plan(self, request_id: str) -> dict[int, StatePlan]:
+        """Per lazy Mamba group holding the request: its working / checkpoint / spare /
+        scratch block ids and the latest step's write target (LazyMambaManager.get_state_plan)."""
+        out = {}
+        for m in self.lazy_managers:
+            plan = m.get_state_plan(request_id)
+            if plan is not None:
+                out[m.kv_cache_group_id] = plan
+        return out
+
     def take_zero_plan(self) -> dict[int, list[int]]:
         """Per Mamba group: running blocks that start with no initial state (zero them)."""
         out = {}
@@ -430,6 +483,11 @@ class KVCacheCoordinator:
                     if not b.is_null:
                         holders[b.block_id] = holders.get(b.block_id, 0) + 1
                         assert owner.setdefault(b.block_id, gid) == gid, f"block {b.block_id} in two groups"
+        for m in self.lazy_managers:  # the scratch regions: held for good, in no table
+            for b in m.reserved_blocks:
+                assert b.block_id not in holders, f"reserved block {b.block_id} in a table"
+                holders[b.block_id] = 1
+        assert pool.num_reserved_blocks == sum(len(m.reserved_blocks) for m in self.lazy_managers)
         for bid, n in holders.items():
             assert pool.blocks[bid].ref_cnt == n, f"block {bid}: ref {pool.blocks[bid].ref_cnt} != {n} tables"
         assert pool.get_num_free_blocks() + len(holders) == pool.num_blocks - 1, "blocks leaked"

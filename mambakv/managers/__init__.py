@@ -6,8 +6,10 @@ from mambakv.block_pool import BlockPool
 from mambakv.errors import InvalidSpecError
 from mambakv.managers.attention import FullAttentionManager, SlidingWindowManager
 from mambakv.managers.base import RequestBlocks, SingleTypeKVCacheManager, cdiv
+from mambakv.managers.lazy_state import StatePlan
 from mambakv.managers.mamba import MambaManager, MambaRequestBlocks, running_slot
-from mambakv.spec import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
+from mambakv.managers.mamba_lazy import LazyMambaManager
+from mambakv.spec import FullAttentionSpec, KVCacheSpec, MambaCacheMode, MambaSpec, SlidingWindowSpec
 
 _MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
@@ -17,7 +19,10 @@ _MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {
 
 
 def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
-    """The manager class for `spec`. Raises InvalidSpecError for an unknown spec type."""
+    """The manager class for `spec` (a MambaSpec in mode ALIGN_LAZY gets LazyMambaManager).
+    Raises InvalidSpecError for an unknown spec type."""
+    if type(spec) is MambaSpec and spec.mode is MambaCacheMode.ALIGN_LAZY:
+        return LazyMambaManager
     for spec_type, cls in _MANAGER_FOR_SPEC.items():
         if type(spec) is spec_type:
             return cls
@@ -25,13 +30,20 @@ def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
 
 
 def make_manager(spec: KVCacheSpec, block_pool: BlockPool, *, enable_caching: bool = True,
-                 kv_cache_group_id: int = 0) -> SingleTypeKVCacheManager:
-    """Build the manager of one group."""
-    return manager_class_for(spec)(spec, block_pool, enable_caching=enable_caching,  # type: ignore[arg-type]
+                 kv_cache_group_id: int = 0, max_num_seqs: int = 256,
+                 spare_may_evict: bool = False) -> SingleTypeKVCacheManager:
+    """Build the manager of one group. `max_num_seqs` and `spare_may_evict` matter to lazy
+    Mamba groups only (their scratch region and spare policy, see mamba_lazy.py)."""
+    cls = manager_class_for(spec)
+    if cls is LazyMambaManager:
+        return LazyMambaManager(spec, block_pool, enable_caching=enable_caching,  # type: ignore[arg-type]
+                                kv_cache_group_id=kv_cache_group_id, max_num_seqs=max_num_seqs,
+                                spare_may_evict=spare_may_evict)
+    return cls(spec, block_pool, enable_caching=enable_caching,  # type: ignore[arg-type]
                                    kv_cache_group_id=kv_cache_group_id)
 
 
 __all__ = [
-    "FullAttentionManager", "MambaManager", "MambaRequestBlocks", "RequestBlocks", "SingleTypeKVCacheManager",
-    "SlidingWindowManager", "cdiv", "make_manager", "manager_class_for", "running_slot",
+    "FullAttentionManager", "LazyMambaManager", "MambaManager", "MambaRequestBlocks", "RequestBlocks", "SingleTypeKVCacheManager",
+    "SlidingWindowManager", "StatePlan", "cdiv", "make_manager", "manager_class_for", "running_slot",
 ]

@@ -34,7 +34,7 @@ class SimRequest:
     """A request in the scheduler: the library's Request plus engine-side progress."""
 
     __slots__ = ("spec", "request", "processed", "generation", "awaiting_output", "admitted",
-                 "finished", "num_outputs", "is_running", "junction")
+                 "finished", "num_outputs", "is_running", "junction", "hit")
 
     def __init__(self, spec: RequestSpec) -> None:
         self.spec = spec
@@ -47,6 +47,7 @@ class SimRequest:
         self.num_outputs = 0
         self.is_running = False
         self.junction = 0           # shared-prefix length to end a prefill chunk at (0: none)
+        self.hit = 0                # prefix-hit tokens at the first admission
 
 
 class ResultProcessor:
@@ -58,6 +59,7 @@ class ResultProcessor:
         t = _now()
         zero = self.coord.take_zero_plan()
         plan = self.coord.take_copy_plan()
+        self.coord.take_checkpoint_writes()  # lazy Mamba groups: the kernels' boundary writes (no device here)
         self.metrics.library_s += _now() - t
         self.metrics.copies += sum(len(p) for p in plan.values())
         self._run_copies(plan, zero)

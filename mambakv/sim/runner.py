@@ -28,15 +28,20 @@ DEFAULT_MODEL = "qwen3-next-80b-a3b"
 GIB = 1 << 30
 #: Largest request the coordinator accepts (tokens); only a validation bound.
 DEFAULT_MAX_MODEL_LEN = 1 << 21
+#: ``--mamba-policy`` -> (Mamba cache mode, lazy spares may evict a cached block)
+MAMBA_POLICIES = {"eager": ("align", False), "lazy": ("align_lazy", False), "lazy-evict": ("align_lazy", True)}
 
 
 def build_coordinator(model: str | Path = DEFAULT_MODEL, memory_gib: float = 60.0, *,
                       num_speculative_tokens: int = 0, use_eagle: bool = False, enable_caching: bool = True,
                       num_blocks: int | None = None, mamba_mode: str = "align",
-                      max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> KVCacheCoordinator:
+                      max_model_len: int = DEFAULT_MAX_MODEL_LEN, mamba_policy: str | None = None,
+                      max_num_seqs: int = 256) -> KVCacheCoordinator:
     """A coordinator for `model` over `memory_gib` GiB (or exactly `num_blocks` blocks).
 
-    The Mamba groups get ``num_speculative_tokens`` speculative blocks.
+    The Mamba groups get ``num_speculative_tokens`` speculative blocks. `mamba_policy`
+    (``eager`` / ``lazy`` / ``lazy-evict``, see MAMBA_POLICIES) overrides `mamba_mode`; a lazy
+    group reserves ``max_num_seqs x num_speculative_tokens`` scratch blocks from the pool.
 
     Raises:
         ModelConfigError: unknown model / unreadable config.
@@ -44,11 +49,17 @@ def build_coordinator(model: str | Path = DEFAULT_MODEL, memory_gib: float = 60.
     """
     if memory_gib <= 0:
         raise InvalidSpecError(f"memory must be > 0 GiB, got {memory_gib}")
+    evict = False
+    if mamba_policy is not None:
+        if mamba_policy not in MAMBA_POLICIES:
+            raise InvalidSpecError(f"unknown Mamba policy {mamba_policy!r}; known: {', '.join(MAMBA_POLICIES)}")
+        mamba_mode, evict = MAMBA_POLICIES[mamba_policy]
     cfg = build_kv_cache_config(load_model(model), int(memory_gib * GIB), mamba_mode=mamba_mode,
                                 num_speculative_blocks=num_speculative_tokens)
     if num_blocks is not None:
         cfg = KVCacheConfig(num_blocks, cfg.kv_cache_groups)
-    return KVCacheCoordinator(cfg, max_model_len=max_model_len, enable_caching=enable_caching, use_eagle=use_eagle)
+    return KVCacheCoordinator(cfg, max_model_len=max_model_len, enable_caching=enable_caching, use_eagle=use_eagle,
+                              max_num_seqs=max_num_seqs, lazy_spare_may_evict=evict)
 
 
 @dataclass
@@ -61,9 +72,10 @@ class SimResult:
 
     @property
     def blocks_returned(self) -> bool:
-        """Every block is back in the free queue (cached ones included)."""
+        """Every block is back in the free queue (cached ones included), except the lazy
+        scratch regions, which are reserved for good."""
         pool = self.coord.block_pool
-        return pool.get_num_free_blocks() == pool.num_blocks - 1
+        return pool.get_num_free_blocks() == pool.num_blocks - 1 - pool.num_reserved_blocks
 
     def to_dict(self) -> dict[str, Any]:
         m, coord = self.metrics, self.coord
@@ -116,12 +128,14 @@ def run_workload(coord: KVCacheCoordinator, specs: Sequence[RequestSpec], *, one
 
 def run_replay(model: str | Path = DEFAULT_MODEL, *, prompt_tokens: int = 480_031, output_tokens: int = 4,
                max_num_batched_tokens: int = 8192, num_speculative_tokens: int = 5, in_flight: int = 2,
-               memory_gib: float = 60.0, use_eagle: bool = False, seed: int = 0, **kwargs: Any) -> SimResult:
+               memory_gib: float = 60.0, use_eagle: bool = False, seed: int = 0, mamba_policy: str = "eager",
+               **kwargs: Any) -> SimResult:
     """One long prefill (default 480,031 tokens) then a few decode steps, DESIGN.md 5.1's replay.
 
     With the defaults each Mamba group's request peaks at ``2 + 5 + 2 = 9`` blocks."""
-    coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens, use_eagle=use_eagle)
-    settings = {"workload": "replay", "model": str(model), "memory_gib": memory_gib,
+    coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens, use_eagle=use_eagle,
+                              mamba_policy=mamba_policy, max_num_seqs=kwargs.get("max_num_seqs", 256))
+    settings = {"workload": "replay", "model": str(model), "memory_gib": memory_gib, "mamba_policy": mamba_policy,
                 "prompt_tokens_requested": prompt_tokens, "output_tokens_requested": output_tokens,
                 "max_num_batched_tokens": max_num_batched_tokens,
                 "num_speculative_tokens": num_speculative_tokens, "in_flight": in_flight}
@@ -134,17 +148,20 @@ def run_trace(path: str | Path, model: str | Path = DEFAULT_MODEL, *, memory_gib
               limit: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
               num_speculative_tokens: int = 0, in_flight: int = 0, one_at_a_time: bool = False,
               use_eagle: bool = False, max_output_tokens: int | None = None, num_blocks: int | None = None,
-              seed: int = 0, specs: Sequence[RequestSpec] | None = None, **kwargs: Any) -> SimResult:
+              seed: int = 0, specs: Sequence[RequestSpec] | None = None, mamba_policy: str = "eager",
+              **kwargs: Any) -> SimResult:
     """A Mooncake JSONL trace (first `limit` requests) through the scheduler.
 
     Raises:
         TraceFormatError: missing file or malformed line; ModelConfigError; BudgetTooSmallError.
     """
     coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens,
-                              use_eagle=use_eagle, num_blocks=num_blocks)
+                              use_eagle=use_eagle, num_blocks=num_blocks, mamba_policy=mamba_policy,
+                              max_num_seqs=max_num_seqs)
     if specs is None:
         specs = load_trace(path, limit=limit, max_output_tokens=max_output_tokens)
     settings = {"workload": "trace", "trace": str(path), "model": str(model), "memory_gib": memory_gib,
+                "mamba_policy": mamba_policy,
                 "limit": limit, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                 "num_speculative_tokens": num_speculative_tokens, "in_flight": in_flight,
                 "one_at_a_time": one_at_a_time}
@@ -157,12 +174,13 @@ def run_conversations(model: str | Path = DEFAULT_MODEL, *, num_conversations: i
                       memory_gib: float = 60.0, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                       num_speculative_tokens: int = 0, in_flight: int = 0, one_at_a_time: bool = False,
                       use_eagle: bool = False, seed: int = 0, specs: Sequence[RequestSpec] | None = None,
-                      **kwargs: Any) -> SimResult:
+                      mamba_policy: str = "eager", **kwargs: Any) -> SimResult:
     """Multi-turn chats (:func:`~mambakv.sim.workloads.conversations`) through the scheduler."""
-    coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens, use_eagle=use_eagle)
+    coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens, use_eagle=use_eagle,
+                              mamba_policy=mamba_policy, max_num_seqs=max_num_seqs)
     if specs is None:
         specs = conversations(num_conversations, turns, seed=seed)
-    settings = {"workload": "chat", "model": str(model), "memory_gib": memory_gib,
+    settings = {"workload": "chat", "model": str(model), "memory_gib": memory_gib, "mamba_policy": mamba_policy,
                 "conversations": num_conversations, "turns": turns, "max_num_seqs": max_num_seqs,
                 "max_num_batched_tokens": max_num_batched_tokens,
                 "num_speculative_tokens": num_speculative_tokens, "in_flight": in_flight,

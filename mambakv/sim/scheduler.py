@@ -84,9 +84,10 @@ class Scheduler(ResultProcessor):
         if num_speculative_tokens >= max_num_batched_tokens:
             raise MambaKVError("max_num_batched_tokens must exceed num_speculative_tokens")
         for m in coord.mamba_managers:
-            if num_speculative_tokens > m.num_speculative_blocks:
+            nspec = m.kv_cache_spec.num_speculative_blocks  # lazy groups lend scratch rows instead
+            if num_speculative_tokens > nspec:
                 raise MambaKVError(f"{num_speculative_tokens} speculative tokens need >= that many "
-                                   f"speculative blocks, group {m.kv_cache_group_id} has {m.num_speculative_blocks}")
+                                   f"speculative blocks, group {m.kv_cache_group_id} has {nspec}")
         self.coord = coord
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
@@ -101,7 +102,8 @@ class Scheduler(ResultProcessor):
         self.on_finish = on_finish
         self.check_invariants = check_invariants
         self.reserve_full_prompt = reserve_full_prompt
-        aligned = [m.block_size for m in coord.mamba_managers if m.mode is MambaCacheMode.ALIGN]
+        aligned = [m.block_size for m in coord.mamba_managers
+                   if m.mode in (MambaCacheMode.ALIGN, MambaCacheMode.ALIGN_LAZY)]
         self.align = max(aligned) if aligned else 0
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
@@ -252,6 +254,7 @@ class Scheduler(ResultProcessor):
                 sreq.admitted = True
                 mt.prompt_tokens += req.num_prompt_tokens
                 mt.cached_tokens += hit
+                sreq.hit = hit
             req.num_computed_tokens = hit
             sreq.processed = hit
             sreq.junction = junction
