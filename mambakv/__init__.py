@@ -10,16 +10,41 @@ from typing import Any
 
 from mambakv.block import FreeBlockQueue, KVCacheBlock
 from mambakv.block_pool import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored
-from mambakv.coordinator import KVCacheBlocks, KVCacheCoordinator, PrefixCacheStats
-from mambakv.errors import (BlockNotFreeError, DoubleFreeError, HashBlockSizeMismatchError, InvalidBlockError,
-                            InvalidDraftCountError, InvalidSpecError, InvalidTokenCountError, MambaKVError,
-                            ModelConfigError, OutOfBlocksError, StaleCacheHitError, TraceFormatError)
+from mambakv.coordinator import KVCacheCoordinator
+from mambakv.errors import (
+    BlockNotFreeError,
+    DoubleFreeError,
+    HashBlockSizeMismatchError,
+    InvalidBlockError,
+    InvalidDraftCountError,
+    InvalidSpecError,
+    InvalidTokenCountError,
+    MambaKVError,
+    ModelConfigError,
+    OutOfBlocksError,
+    StaleCacheHitError,
+    TraceFormatError,
+)
 from mambakv.hashing import hash_block_tokens, init_none_hash
-from mambakv.managers import (FullAttentionManager, LazyMambaManager, MambaManager, SingleTypeKVCacheManager,
-                              SlidingWindowManager, StatePlan)
+from mambakv.managers import (
+    FullAttentionManager,
+    LazyMambaManager,
+    MambaManager,
+    SingleTypeKVCacheManager,
+    SlidingWindowManager,
+    StatePlan,
+)
+from mambakv.prefix_hits import KVCacheBlocks, PrefixCacheStats
 from mambakv.request import Request
-from mambakv.spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, MambaCacheMode, MambaSpec,
-                          SlidingWindowSpec)
+from mambakv.spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MambaCacheMode,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 
 __version__ = "0.1.0"
 

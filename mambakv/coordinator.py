@@ -15,42 +15,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from mambakv.block import KVCacheBlock
 from mambakv.block_pool import BlockPool
-from mambakv.errors import (HashBlockSizeMismatchError, InvalidTokenCountError, MambaKVError,
-                            StaleCacheHitError)
+from mambakv.errors import HashBlockSizeMismatchError, InvalidTokenCountError
 from mambakv.managers import LazyMambaManager, MambaManager, SingleTypeKVCacheManager, StatePlan, make_manager
-from mambakv.managers.base import group_block_hashes
+from mambakv.prefix_hits import KVCacheBlocks, PrefixCacheStats, PrefixHitFinder
 from mambakv.request import Request
 from mambakv.spec import KVCacheConfig
-
-
-@dataclass
-class KVCacheBlocks:
-    """Blocks per KV-cache group, in config order: ``blocks[g]`` is group g's list."""
-
-    blocks: tuple[list[KVCacheBlock], ...]
-
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        return tuple([b.block_id for b in group] for group in self.blocks)
-
-    def __len__(self) -> int:
-        return len(self.blocks)
-
-
-@dataclass
-class PrefixCacheStats:
-    """Prefix-cache lookups: requests looked up, tokens queried and tokens hit."""
-
-    requests: int = 0
-    queries: int = 0
-    hits: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
 
 
 class _LiveRequest:
@@ -62,15 +34,6 @@ class _LiveRequest:
     def __init__(self, request: Request, num_scheduled: int) -> None:
         self.request = request
         self.num_scheduled = num_scheduled
-
-
-@dataclass
-class _LookupGroup:
-    """Groups that share one spec: one hit lookup serves all of them."""
-
-    manager_class: type[SingleTypeKVCacheManager]
-    group_ids: list[int]
-    spec: object = field(repr=False)
 
 
 class KVCacheCoordinator:
@@ -126,25 +89,12 @@ class KVCacheCoordinator:
         self._empty_blocks = KVCacheBlocks(tuple([] for _ in self.managers))
         #: hits must end on a multiple of every group's block size
         self.alignment_tokens = math.lcm(*sizes)
-        self._lookup_groups = self._make_lookup_groups()
+        self._hits = PrefixHitFinder(self.managers, self.block_pool, self.alignment_tokens)
         #: request id -> (Request, most tokens any allocate covered): one entry per request
         #: that holds blocks; retire publishes with its hashes and is bounded by its count.
         self._live: dict[str, _LiveRequest] = {}
         self.prefix_cache_stats = PrefixCacheStats()
         self.num_steps = 0
-
-    def _make_lookup_groups(self) -> list[_LookupGroup]:
-        # Full attention first: its hit is a prefix, cheap, and usually the shortest.
-        out: list[_LookupGroup] = []
-        for gid, m in enumerate(self.managers):
-            for lg in out:
-                if lg.manager_class is type(m) and lg.spec == m.kv_cache_spec:
-                    lg.group_ids.append(gid)
-                    break
-            else:
-                out.append(_LookupGroup(type(m), [gid], m.kv_cache_spec))
-        out.sort(key=lambda lg: lg.manager_class.__name__ != "FullAttentionManager")
-        return out
 
     # ------------------------------------------------------------------ prefix hits
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
@@ -162,41 +112,14 @@ class KVCacheCoordinator:
             HashBlockSizeMismatchError: the request hashes with another block size.
         """
         request.set_hash_block_size(self.hash_block_size)
-        empty = KVCacheBlocks(tuple([] for _ in self.managers))
         if not self.enable_caching:
-            return empty, 0
-        align = self.alignment_tokens
-        length = (request.num_tokens - 1) // align * align
-        hits, length = self._fixed_point(request, length)
-        if self.use_eagle and length > 0:
-            hits, length = self._fixed_point(request, length - align)
+            return self._empty_blocks, 0
+        hits, length = self._hits.find(request, use_eagle=self.use_eagle)
         stats = self.prefix_cache_stats
         stats.requests += 1
         stats.queries += request.num_tokens
         stats.hits += length
-        return (KVCacheBlocks(tuple(hits)) if length else empty), length
-
-    def _fixed_point(self, request: Request, length: int) -> tuple[list[list[KVCacheBlock]], int]:
-        """Query lookup groups round-robin until every one agrees on `length`."""
-        hits: list[list[KVCacheBlock]] = [[] for _ in self.managers]
-        groups = self._lookup_groups
-        n = len(groups)
-        agreed, i = 0, 0
-        while agreed < n and length > 0:
-            lg = groups[i % n]
-            bs = lg.spec.block_size  # type: ignore[attr-defined]
-            found = lg.manager_class.find_longest_cache_hit(
-                group_block_hashes(request, bs), length, lg.group_ids, self.block_pool, lg.spec,  # type: ignore[arg-type]
-                self.alignment_tokens)
-            for gid, blocks in zip(lg.group_ids, found):
-                hits[gid] = blocks
-            found_len = len(found[0]) * bs
-            agreed = 1 if found_len < length else agreed + 1
-            length = min(length, found_len)
-            i += 1
-        if length == 0:
-            return [[] for _ in self.managers], 0
-        return hits, length
+        return (KVCacheBlocks(tuple(hits)) if length else self._empty_blocks), length
 
     def get_shared_prefix_length(self, request: Request) -> int:
         """Tokens: the longest prefix of `request` (aligned like a hit, at most
@@ -210,19 +133,7 @@ class KVCacheCoordinator:
         pins nothing and counts no statistics.
         """
         request.set_hash_block_size(self.hash_block_size)
-        align = self.alignment_tokens
-        length = (request.num_tokens - 1) // align * align
-        if not self.enable_caching or length <= 0:
-            return 0
-        for lg in self._lookup_groups:
-            if not lg.manager_class.publishes_at_allocation or length == 0:
-                continue
-            bs = lg.spec.block_size  # type: ignore[attr-defined]
-            found = lg.manager_class.find_longest_cache_hit(
-                group_block_hashes(request, bs), length, lg.group_ids, self.block_pool, lg.spec,  # type: ignore[arg-type]
-                align)
-            length = min(length, len(found[0]) * bs // align * align)
-        return length if any(lg.manager_class.publishes_at_allocation for lg in self._lookup_groups) else 0
+        return self._hits.shared_prefix_length(request) if self.enable_caching else 0
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, request: Request, num_new_tokens: int, *, num_new_computed_tokens: int = 0,
@@ -269,7 +180,7 @@ class KVCacheCoordinator:
         if new_computed_blocks is None:
             hits: Sequence[Sequence[KVCacheBlock]] = self._no_hits
         else:
-            hits = self._checked_hits(request, new_computed_blocks)
+            hits = self._hits.checked_hits(request, new_computed_blocks)
         managers = self.managers
         if num_draft_tokens is None:
             num_drafts = num_tokens - request.num_tokens
@@ -317,28 +228,6 @@ class KVCacheCoordinator:
                 m.cache_blocks(request, num_real)
         # Most decode steps need no block: hand out one shared empty result (do not mutate it).
         return KVCacheBlocks(tuple(new_blocks)) if any_new else self._empty_blocks
-
-    def _checked_hits(self, request: Request,
-                      new_computed_blocks: KVCacheBlocks | None) -> Sequence[Sequence[KVCacheBlock]]:
-        """The hit lists, after checking that every hit block still carries the hash of its
-        slot in its group (it was not evicted and reused since the lookup)."""
-        if new_computed_blocks is None or not any(new_computed_blocks.blocks):
-            return [()] * len(self.managers)
-        hits = new_computed_blocks.blocks
-        if len(hits) != len(self.managers):
-            raise MambaKVError(f"new_computed_blocks has {len(hits)} groups, the config {len(self.managers)}")
-        for gid, (m, hit) in enumerate(zip(self.managers, hits)):
-            if hit and request.request_id in m.req_to_blocks and m.req_to_blocks[request.request_id]:
-                raise MambaKVError(f"request {request.request_id!r} already holds blocks; hits are for new requests")
-            keys = group_block_hashes(request, m.block_size) if hit else ()
-            for slot, block in enumerate(hit):
-                if block.is_null:
-                    continue
-                if slot >= len(keys) or block.block_hash != keys[slot] or block.cache_group_id != gid:
-                    raise StaleCacheHitError(
-                        f"hit block {block.block_id} (group {gid}, slot {slot}) was evicted and reused "
-                        f"since get_computed_blocks; look the request up again")
-        return hits
 
     # ------------------------------------------------------------------ step results
     def retire(self, request_id: str, num_processed_tokens: int) -> None:
