@@ -12,7 +12,7 @@ from collections import deque
 
 import numpy as np
 
-from mambakv import BlockPool, KVCacheCoordinator, KVCacheConfig, MambaManager, MambaSpec, Request
+from mambakv import BlockPool, KVCacheConfig, KVCacheCoordinator, MambaManager, MambaSpec, Request
 from mambakv.models import build_kv_cache_config, load_model
 
 GIB = 1 << 30

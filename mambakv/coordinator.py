@@ -352,10 +352,6 @@ class KVCacheCoordinator:
         """Ids of the requests that hold blocks, in allocation order."""
         return list(self._live)
 
-    @property
-    def _requests(self) -> dict[str, Request]:
-        # Private alias kept for the fuzzing suite while it moves to request_ids.
-        return {rid: live.request for rid, live in self._live.items()}
 
     def check_invariants(self) -> None:
         """Pool and per-manager invariants, plus: every held block's ref count equals the

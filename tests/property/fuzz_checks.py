@@ -26,8 +26,7 @@ def held_ids(reqs: dict[str, ShadowReq]) -> Counter:
 
 def live_requests(coord: KVCacheCoordinator) -> dict:
     """The coordinator's per-request records (request id -> record)."""
-    live = getattr(coord, "_live", None)
-    return live if live is not None else coord._requests
+    return coord._live
 
 
 def snapshot(coord: KVCacheCoordinator) -> tuple:
