@@ -42,3 +42,17 @@ def replay_480k(manager: MambaManager, *, in_flight: int, total: int = 480_031, 
         peak = max(peak, held(manager.req_to_blocks["r"]))
         manager.check_invariants()
     return peak
+
+
+def retire_until_first_null(manager, st, num_slots: int) -> list:
+    """vLLM's retirement before its fix, for teeth tests: walk down from the highest skipped
+    slot, stop at the first null, no watermark (DESIGN.md 5.1, the null-gap leak). A drop-in
+    for ``MambaManager._retire_below``."""
+    blocks, null, freed = st.blocks, manager.null_block, []
+    for i in range(min(num_slots, len(blocks)) - 1, -1, -1):
+        if blocks[i] is null:
+            break
+        freed.append(blocks[i])
+        blocks[i] = null
+        st.positions.pop(i, None)
+    return freed

@@ -9,7 +9,7 @@ import pytest
 
 from mambakv import BlockPool, MambaManager
 from mambakv.managers import running_slot
-from tests.helpers import held, mamba_manager, mamba_spec, pattern, replay_480k
+from tests.helpers import held, mamba_manager, mamba_spec, pattern, replay_480k, retire_until_first_null
 
 
 class PreFixMambaManager(MambaManager):
@@ -33,15 +33,7 @@ class PreFixMambaManager(MambaManager):
         self.last_processed[request_id] = num_processed_tokens
         super().remove_skipped_blocks(request_id, num_processed_tokens)
 
-    def _retire_below(self, st, num_slots):
-        blocks, null, freed = st.blocks, self.null_block, []
-        for i in range(min(num_slots, len(blocks)) - 1, -1, -1):
-            if blocks[i] is null:
-                break
-            freed.append(blocks[i])
-            blocks[i] = null
-            st.positions.pop(i, None)
-        return freed
+    _retire_below = retire_until_first_null
 
     def allocate_new_blocks(self, request_id, num_tokens, num_lookahead_tokens=0, **kw):
         st = self._reqs.get(request_id)

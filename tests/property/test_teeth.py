@@ -22,6 +22,7 @@ import pytest
 from hypothesis.stateful import run_state_machine_as_test
 
 from mambakv import BlockPool, MambaManager
+from tests.helpers import retire_until_first_null
 from tests.property.fuzz_machine import KVFuzzMachine, teeth_settings
 
 
@@ -29,17 +30,7 @@ class MambaFuzzMachine(KVFuzzMachine):
     force_mamba = True  # the leak needs a Mamba group
 
 
-def walk_stops_at_first_null(self, st, num_slots):
-    """The pre-fix retirement: no watermark, stop at the first null below the skip point."""
-    blocks, null, freed = st.blocks, self.null_block, []
-    for i in range(min(num_slots, len(blocks)) - 1, -1, -1):
-        if blocks[i] is null:
-            break
-        freed.append(blocks[i])
-        blocks[i] = null
-    for slot in [s for s in st.positions if s < num_slots]:
-        del st.positions[slot]
-    return freed
+walk_stops_at_first_null = retire_until_first_null  # the pre-fix retirement (tests/helpers.py)
 
 
 def free_unhashed_to_tail(self, blocks):
