@@ -39,7 +39,9 @@ class MambaRequestBlocks(RequestBlocks):
         num_tokens: the ``num_tokens`` of the last allocation (its main tokens).
         positions: slot -> the slot's boundary position, for blocks that will hold their
             boundary state once the step that writes them has run; an entry leaves once that
-            position is processed (the state is published then) or the block is rewritten.
+            position is processed and ``cache_blocks`` runs (the state is published then; a
+            slot retired meanwhile holds null and publishes nothing), when the block is
+            rewritten, or at ``free``.
         verify_steps: ``(running slot, tokens, drafts)`` of steps with draft tokens whose
             ``accept_drafts`` has not come yet, oldest first.
         verified: ``(position, slot)`` of verified steps whose state sits above slot
@@ -275,31 +277,28 @@ class MambaManager(SingleTypeKVCacheManager):
         Block 2, nspec 3, after 1 computed token a step of 1 + 2 drafts runs at slot 1; with 0
         accepted its state is at 2 tokens, so retiring to 2 frees slot 0 (the first rule frees
         ``(2 - 1) // 2 = 0`` slots: the request would hold 6 blocks, not 2 + 3, after its next
-        step)."""
+        step).
+
+        Raises InvalidTokenCountError (nothing changed) if that would retire the running slot:
+        processed tokens beyond the running state's boundary were never scheduled, and
+        retiring them would free the running and scratch blocks."""
         num_slots = (num_processed_tokens - self.num_kept_tokens) // self.block_size
         verified = st.verified  # type: ignore[attr-defined]
-        while verified and verified[0][0] <= num_processed_tokens:
-            slot = verified.popleft()[1]
+        num_settled = 0
+        for position, slot in verified:
+            if position > num_processed_tokens:
+                break
+            num_settled += 1
             if slot > num_slots:
                 num_slots = slot
-        return num_slots
-
-    def _retire_below(self, st: RequestBlocks, num_slots: int) -> list[KVCacheBlock]:
-        """Base retirement, after checking that it stays below the running slot: processed
-        tokens beyond the running state's boundary were never scheduled, and retiring them
-        would free the running and scratch blocks (InvalidTokenCountError, nothing changed)."""
         running = st.running_slot  # type: ignore[attr-defined]
         if 0 <= running < num_slots:
             raise InvalidTokenCountError(
                 f"retiring {num_slots} slots would free the running state at slot {running}: more tokens "
                 f"processed than were ever scheduled (at most {(running + 1) * self.block_size})")
-        low = st.retired_below
-        freed = super()._retire_below(st, num_slots)
-        positions = st.positions  # type: ignore[attr-defined]
-        if positions:  # tags of retired slots (left when nobody published them) go too
-            for slot in range(low, st.retired_below):
-                positions.pop(slot, None)
-        return freed
+        for _ in range(num_settled):
+            verified.popleft()
+        return num_slots
 
     def free(self, request_id: str) -> None:
         """Drop the request (see the base class), and its pending entries of the copy and
