@@ -14,9 +14,7 @@ Per step, for each scheduled request (DESIGN.md section 6, docs/engine-integrati
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from operator import methodcaller
-from typing import Any
+from collections.abc import Sequence
 
 from mambakv.block import KVCacheBlock
 from mambakv.block_pool import BlockPool
@@ -25,16 +23,6 @@ from mambakv.managers import LazyMambaManager, MambaManager, SingleTypeKVCacheMa
 from mambakv.prefix_hits import KVCacheBlocks, PrefixCacheStats, PrefixHitFinder
 from mambakv.request import Request
 from mambakv.spec import KVCacheConfig
-
-
-def _per_group(managers: Sequence[SingleTypeKVCacheManager], take: Callable[[Any], list]) -> dict[int, list]:
-    """``{group id: take(manager)}`` for the managers whose list is not empty."""
-    out = {}
-    for m in managers:
-        items = take(m)
-        if items:
-            out[m.kv_cache_group_id] = items
-    return out
 
 
 class _LiveRequest:
@@ -275,7 +263,8 @@ class KVCacheCoordinator:
         Raises:
             InvalidDraftCountError: `num_accepted` outside the step's draft count.
         """
-        return _per_group(self.mamba_managers, lambda m: m.accept_drafts(request_id, num_accepted))
+        # {group id: list} for the groups whose list is not empty (the same shape below)
+        return {m.kv_cache_group_id: p for m in self.mamba_managers if (p := m.accept_drafts(request_id, num_accepted))}
 
     def free(self, request_id: str) -> None:
         """A request finished or is preempted: free every group's table and drop all of its
@@ -312,13 +301,13 @@ class KVCacheCoordinator:
 
     def take_copy_plan(self) -> dict[int, list[tuple[int, int]]]:
         """Per Mamba group with copies: ``(src, dst)`` block ids to run before the forward."""
-        return _per_group(self.mamba_managers, methodcaller("take_copy_plan"))
+        return {m.kv_cache_group_id: p for m in self.mamba_managers if (p := m.take_copy_plan())}
 
     def take_checkpoint_writes(self) -> dict[int, list[tuple[str, int, int]]]:
         """Per lazy Mamba group: ``(request id, block id, position)`` for each step planned
         since the last call inside a crossing window: its forward writes the state at
         `position` into that block if the step computes that position (drafts included)."""
-        return _per_group(self.lazy_managers, methodcaller("take_checkpoint_writes"))
+        return {m.kv_cache_group_id: w for m in self.lazy_managers if (w := m.take_checkpoint_writes())}
 
     def get_state_plan(self, request_id: str) -> dict[int, StatePlan]:
         """Per lazy Mamba group holding the request: its working / checkpoint / spare /
@@ -332,7 +321,7 @@ class KVCacheCoordinator:
 
     def take_zero_plan(self) -> dict[int, list[int]]:
         """Per Mamba group: running blocks that start with no initial state (zero them)."""
-        return _per_group(self.mamba_managers, methodcaller("take_zero_plan"))
+        return {m.kv_cache_group_id: p for m in self.mamba_managers if (p := m.take_zero_plan())}
 
     @property
     def num_running_requests(self) -> int:
