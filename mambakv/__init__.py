@@ -17,6 +17,7 @@ from mambakv.errors import (
     HashBlockSizeMismatchError,
     InvalidBlockError,
     InvalidDraftCountError,
+    InvalidRequestError,
     InvalidSpecError,
     InvalidTokenCountError,
     MambaKVError,
@@ -62,7 +63,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AllBlocksCleared", "BlockNotFreeError", "BlockPool", "BlockRemoved", "BlockStored", "DoubleFreeError",
     "FreeBlockQueue", "FullAttentionManager", "FullAttentionSpec", "HashBlockSizeMismatchError",
-    "InvalidBlockError", "InvalidDraftCountError", "InvalidSpecError", "InvalidTokenCountError", "KVCacheBlock", "KVCacheBlocks",
+    "InvalidBlockError", "InvalidDraftCountError", "InvalidRequestError", "InvalidSpecError", "InvalidTokenCountError", "KVCacheBlock", "KVCacheBlocks",
     "KVCacheConfig", "KVCacheCoordinator", "KVCacheGroupSpec", "KVCacheSpec", "LazyMambaManager", "MambaCacheMode",
     "MambaKVError",
     "MambaManager", "MambaSpec", "MambaStatePool", "ModelConfigError", "OutOfBlocksError", "PrefixCacheStats",

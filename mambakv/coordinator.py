@@ -18,7 +18,13 @@ from collections.abc import Sequence
 
 from mambakv.block import KVCacheBlock
 from mambakv.block_pool import BlockPool
-from mambakv.errors import HashBlockSizeMismatchError, InvalidTokenCountError
+from mambakv.errors import (
+    HashBlockSizeMismatchError,
+    InvalidDraftCountError,
+    InvalidRequestError,
+    InvalidTokenCountError,
+    as_count,
+)
 from mambakv.managers import LazyMambaManager, MambaManager, SingleTypeKVCacheManager, StatePlan, make_manager
 from mambakv.prefix_hits import KVCacheBlocks, PrefixCacheStats, PrefixHitFinder
 from mambakv.request import Request
@@ -85,6 +91,10 @@ class KVCacheCoordinator:
         self._publish_at_allocation = tuple(m for m in self.managers if m.publishes_at_allocation)
         self._publish_at_retire = tuple(m for m in self.managers if not m.publishes_at_allocation)
         self._retiring = tuple(m for m in self.managers if m.retires)
+        #: most draft tokens one step may verify: each needs a scratch block in every eager
+        #: Mamba group (lazy groups check their own rule); no limit without Mamba groups
+        self._max_drafts = min((m.num_speculative_blocks for m in self.mamba_managers
+                                if not isinstance(m, LazyMambaManager)), default=1 << 62)
         self._no_hits: tuple[tuple[()], ...] = ((),) * len(self.managers)
         self._empty_blocks = KVCacheBlocks(tuple([] for _ in self.managers))
         #: hits must end on a multiple of every group's block size
@@ -164,13 +174,14 @@ class KVCacheCoordinator:
         None is also returned when a lazy Mamba group's scratch region has no rows for a
         request's first step with drafts (more than ``max_num_seqs`` such requests).
         """
-        if num_draft_tokens is not None and not 0 <= num_draft_tokens < num_new_tokens:
-            raise InvalidTokenCountError(f"num_draft_tokens must be in 0..{num_new_tokens - 1}, got {num_draft_tokens}")
-        if num_new_tokens <= 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
-            raise InvalidTokenCountError(
-                f"need num_new_tokens > 0 and non-negative counts, got {num_new_tokens}, "
-                f"{num_new_computed_tokens}, {num_lookahead_tokens}")
+        num_new_tokens = as_count(num_new_tokens, "num_new_tokens", 1)
+        num_new_computed_tokens = as_count(num_new_computed_tokens, "num_new_computed_tokens")
+        num_lookahead_tokens = as_count(num_lookahead_tokens, "num_lookahead_tokens")
+        if num_draft_tokens is not None and not 0 <= as_count(num_draft_tokens, "num_draft_tokens") < num_new_tokens:
+            raise InvalidTokenCountError(f"num_draft_tokens must be in 0..{num_new_tokens - 1}, got {num_draft_tokens!r}")
         rid = request.request_id
+        live = self._live.get(rid)
+        self._check_computed(request, live, num_new_computed_tokens, new_computed_blocks)
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens = num_computed + num_new_tokens
         if num_tokens > self.max_model_len:
@@ -180,7 +191,7 @@ class KVCacheCoordinator:
         if new_computed_blocks is None:
             hits: Sequence[Sequence[KVCacheBlock]] = self._no_hits
         else:
-            hits = self._hits.checked_hits(request, new_computed_blocks)
+            hits = self._hits.checked_hits(request, new_computed_blocks, num_new_computed_tokens)
         managers = self.managers
         if num_draft_tokens is None:
             num_drafts = num_tokens - request.num_tokens
@@ -188,6 +199,9 @@ class KVCacheCoordinator:
                 num_drafts = 0
         else:
             num_drafts = num_draft_tokens
+        if num_drafts > self._max_drafts:
+            raise InvalidDraftCountError(
+                f"{num_drafts} draft tokens but the Mamba groups have {self._max_drafts} speculative blocks")
         for m in self.lazy_managers:
             if not m.check_step(rid, num_tokens, num_computed, num_drafts):
                 return None
@@ -217,7 +231,6 @@ class KVCacheCoordinator:
             any_new = any_new or bool(blocks)
         for m in lazy:  # optional spares last: they may only use blocks nobody counted on
             m.plan_checkpoint_write(rid)
-        live = self._live.get(rid)
         if live is None:
             self._live[rid] = _LiveRequest(request, num_tokens)
         elif live.num_scheduled < num_tokens:
@@ -228,6 +241,30 @@ class KVCacheCoordinator:
                 m.cache_blocks(request, num_real)
         # Most decode steps need no block: hand out one shared empty result (do not mutate it).
         return KVCacheBlocks(tuple(new_blocks)) if any_new else self._empty_blocks
+
+    def _check_computed(self, request: Request, live: _LiveRequest | None, num_new_computed_tokens: int,
+                        new_computed_blocks: KVCacheBlocks | None) -> None:
+        """Computed tokens must be backed by blocks: a request that holds none starts from 0
+        (after a preemption the engine resets ``num_computed_tokens``) plus exactly its hit;
+        a running one cannot have computed more than was ever scheduled, and takes no hits.
+        Otherwise blocks that were never computed would be published to the prefix cache."""
+        if live is None:
+            if request.num_computed_tokens != 0:
+                raise InvalidTokenCountError(
+                    f"request {request.request_id!r} holds no blocks but has num_computed_tokens="
+                    f"{request.num_computed_tokens}; reset it to 0 after a preemption")
+            if num_new_computed_tokens and new_computed_blocks is None:
+                raise InvalidTokenCountError(
+                    f"num_new_computed_tokens={num_new_computed_tokens} needs the hit blocks of get_computed_blocks")
+            return
+        if live.request is not request:
+            raise InvalidRequestError(f"another live request already has the id {request.request_id!r}")
+        if num_new_computed_tokens:
+            raise InvalidTokenCountError(f"request {request.request_id!r} is running: hits are for new requests")
+        if request.num_computed_tokens > live.num_scheduled:
+            raise InvalidTokenCountError(
+                f"request {request.request_id!r} has num_computed_tokens={request.num_computed_tokens} but only "
+                f"{live.num_scheduled} were ever scheduled")
 
     # ------------------------------------------------------------------ step results
     def retire(self, request_id: str, num_processed_tokens: int) -> None:
@@ -240,8 +277,7 @@ class KVCacheCoordinator:
             InvalidTokenCountError: a negative count, or more than the request's tokens or than
                 any ``allocate`` covered (tokens never scheduled cannot be processed).
         """
-        if num_processed_tokens < 0:
-            raise InvalidTokenCountError(f"num_processed_tokens must be >= 0, got {num_processed_tokens}")
+        num_processed_tokens = as_count(num_processed_tokens, "num_processed_tokens")
         live = self._live.get(request_id)
         if live is None or num_processed_tokens == 0:
             return
@@ -263,6 +299,7 @@ class KVCacheCoordinator:
         Raises:
             InvalidDraftCountError: `num_accepted` outside the step's draft count.
         """
+        num_accepted = as_count(num_accepted, "num_accepted", error=InvalidDraftCountError)
         # {group id: list} for the groups whose list is not empty (the same shape below)
         return {m.kv_cache_group_id: p for m in self.mamba_managers if (p := m.accept_drafts(request_id, num_accepted))}
 

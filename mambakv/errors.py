@@ -8,6 +8,8 @@ that ``except ValueError`` style handlers keep working.
 
 from __future__ import annotations
 
+import operator
+
 
 class MambaKVError(Exception):
     """Base class of every error mambakv raises on bad input or misuse."""
@@ -62,3 +64,24 @@ class TraceFormatError(MambaKVError, ValueError):
 class InvalidCopyPlanError(MambaKVError, ValueError):
     """A state copy / zero plan for `MambaStatePool` is invalid: an id out of range, the null
     block as a destination, a destination twice, or a source that another pair writes."""
+
+
+class InvalidRequestError(MambaKVError, ValueError):
+    """A request is malformed (its id is not a str, a bad ``max_tokens``), or its id belongs
+    to another live request."""
+
+
+def as_count(value: object, name: str, minimum: int = 0,
+             error: type[MambaKVError] = InvalidTokenCountError) -> int:
+    """`value` as an int >= `minimum` (ints and numpy integers; not bools, floats or strings).
+
+    Raises:
+        `error` (InvalidTokenCountError by default): anything else.
+    """
+    if type(value) is not int:
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
+            raise error(f"{name} must be an int, got {value!r}")
+        value = operator.index(value)  # type: ignore[call-overload]
+    if value < minimum:  # type: ignore[operator]
+        raise error(f"{name} must be >= {minimum}, got {value!r}")
+    return value  # type: ignore[return-value]

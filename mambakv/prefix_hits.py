@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from mambakv.block import KVCacheBlock
 from mambakv.block_pool import BlockPool
-from mambakv.errors import MambaKVError, StaleCacheHitError
+from mambakv.errors import InvalidBlockError, MambaKVError, StaleCacheHitError
 from mambakv.managers import SingleTypeKVCacheManager
 from mambakv.managers.base import group_block_hashes
 from mambakv.request import Request
@@ -138,26 +138,37 @@ class PrefixHitFinder:
                 break
         return length
 
-    def checked_hits(self, request: Request, new_computed_blocks: KVCacheBlocks) -> Sequence[Sequence[KVCacheBlock]]:
-        """The hit lists, after checking that every hit block still carries the hash of its
-        slot in its group (it was not evicted and reused since the lookup).
+    def checked_hits(self, request: Request, new_computed_blocks: KVCacheBlocks,
+                     num_hit_tokens: int) -> Sequence[Sequence[KVCacheBlock]]:
+        """The hit lists, after checking that they are this pool's blocks, cover exactly
+        `num_hit_tokens` in every group, and that every hit block still carries the hash of
+        its slot in its group (it was not evicted and reused since the lookup).
 
         Raises:
             StaleCacheHitError: a hit block was evicted and reused since the lookup.
+            InvalidBlockError: a hit list's length does not match `num_hit_tokens` in some
+                group, or a block belongs to another pool.
             MambaKVError: the hits have the wrong number of groups, or the request already
                 holds blocks (hits are for new requests).
         """
         hits = new_computed_blocks.blocks
-        if not any(hits):
-            return [()] * len(self.managers)
         if len(hits) != len(self.managers):
             raise MambaKVError(f"new_computed_blocks has {len(hits)} groups, the config {len(self.managers)}")
+        if not num_hit_tokens and not any(hits):
+            return [()] * len(self.managers)
         rid = request.request_id
+        pool_blocks = self.block_pool.blocks
         for gid, (m, hit) in enumerate(zip(self.managers, hits)):
+            if len(hit) * m.block_size != num_hit_tokens:
+                raise InvalidBlockError(
+                    f"group {gid}: {len(hit)} hit blocks of {m.block_size} tokens do not cover the "
+                    f"{num_hit_tokens} computed tokens (pass get_computed_blocks' blocks and length together)")
             if hit and m.req_to_blocks.get(rid):
                 raise MambaKVError(f"request {rid!r} already holds blocks; hits are for new requests")
             keys = group_block_hashes(request, m.block_size) if hit else ()
             for slot, block in enumerate(hit):
+                if not 0 <= block.block_id < len(pool_blocks) or pool_blocks[block.block_id] is not block:
+                    raise InvalidBlockError(f"hit block {block.block_id} is not a block of this pool")
                 if block.is_null:
                     continue
                 if slot >= len(keys) or block.block_hash != keys[slot] or block.cache_group_id != gid:

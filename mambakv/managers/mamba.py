@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from mambakv.block import KVCacheBlock
 from mambakv.block_pool import BlockPool
-from mambakv.errors import InvalidDraftCountError, InvalidTokenCountError
+from mambakv.errors import InvalidDraftCountError, InvalidTokenCountError, as_count
 from mambakv.managers.base import RequestBlocks, SingleTypeKVCacheManager, _num_evictable, cdiv, group_block_hashes
 from mambakv.request import Request
 from mambakv.spec import KVCacheSpec, MambaCacheMode, MambaSpec
@@ -212,7 +212,9 @@ class MambaManager(SingleTypeKVCacheManager):
 
         Raises:
             InvalidDraftCountError: `num_accepted` outside ``0 .. drafts of that step``.
+            InvalidTokenCountError: `num_accepted` is not an int.
         """
+        num_accepted = as_count(num_accepted, "num_accepted", error=InvalidDraftCountError)
         st = self._reqs.get(request_id)
         if st is None or not st.verify_steps:
             if num_accepted != 0:
