@@ -174,9 +174,12 @@ class KVCacheCoordinator:
         None is also returned when a lazy Mamba group's scratch region has no rows for a
         request's first step with drafts (more than ``max_num_seqs`` such requests).
         """
-        num_new_tokens = as_count(num_new_tokens, "num_new_tokens", 1)
-        num_new_computed_tokens = as_count(num_new_computed_tokens, "num_new_computed_tokens")
-        num_lookahead_tokens = as_count(num_lookahead_tokens, "num_lookahead_tokens")
+        if not (type(num_new_tokens) is int and num_new_tokens > 0  # plain ints skip the slow path
+                and type(num_new_computed_tokens) is int and num_new_computed_tokens >= 0
+                and type(num_lookahead_tokens) is int and num_lookahead_tokens >= 0):
+            num_new_tokens = as_count(num_new_tokens, "num_new_tokens", 1)
+            num_new_computed_tokens = as_count(num_new_computed_tokens, "num_new_computed_tokens")
+            num_lookahead_tokens = as_count(num_lookahead_tokens, "num_lookahead_tokens")
         if num_draft_tokens is not None and not 0 <= as_count(num_draft_tokens, "num_draft_tokens") < num_new_tokens:
             raise InvalidTokenCountError(f"num_draft_tokens must be in 0..{num_new_tokens - 1}, got {num_draft_tokens!r}")
         rid = request.request_id
@@ -277,7 +280,10 @@ class KVCacheCoordinator:
             InvalidTokenCountError: a negative count, or more than the request's tokens or than
                 any ``allocate`` covered (tokens never scheduled cannot be processed).
         """
-        num_processed_tokens = as_count(num_processed_tokens, "num_processed_tokens")
+        if type(num_processed_tokens) is not int:
+            num_processed_tokens = as_count(num_processed_tokens, "num_processed_tokens")
+        elif num_processed_tokens < 0:
+            raise InvalidTokenCountError(f"num_processed_tokens must be >= 0, got {num_processed_tokens}")
         live = self._live.get(request_id)
         if live is None or num_processed_tokens == 0:
             return
