@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -23,26 +24,69 @@ from mambakv.errors import MambaKVError
 MIB = 1 << 20
 
 
+# --------------------------------------------------------------------------- argument types
+def _number(kind: type, *, low: float, low_ok: bool, high: float | None = None) -> Any:
+    """An argparse ``type=`` parser: a finite `kind` (int or float) in ``[low, high]`` (``(low, high]``
+    when not `low_ok`); anything else is argparse's one-line error."""
+    if kind is int:
+        what = f"an int >= {low:g}" if low_ok else f"an int > {low:g}"
+    elif high is not None:
+        what = f"a number in [{low:g}, {high:g}]"
+    else:
+        what = f"a finite number {'>=' if low_ok else '>'} {low:g}"
+
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(v) or v < low or (v == low and not low_ok) or (high is not None and v > high):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return v
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+POSITIVE_INT = _number(int, low=0, low_ok=False)
+COUNT = _number(int, low=0, low_ok=True)
+POSITIVE = _number(float, low=0, low_ok=False)
+NON_NEGATIVE = _number(float, low=0, low_ok=True)
+PROBABILITY = _number(float, low=0, low_ok=True, high=1)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (``mambakv: error: ...``) and exit status 2."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        self.exit(2, f"mambakv: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def _add_common(p: argparse.ArgumentParser, *, in_flight: int, spec_tokens: int) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, help="packaged model name (see `mambakv models`); "
                      "default qwen3-next-80b-a3b")
     src.add_argument("--config", default=None, metavar="CONFIG_JSON", help="a Hugging Face config.json")
-    p.add_argument("--memory-gib", type=float, default=60.0, help="KV-cache + state memory (GiB, default 60)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step (default 8192)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most running requests (default 256)")
-    p.add_argument("--num-speculative-tokens", type=int, default=spec_tokens,
+    p.add_argument("--memory-gib", type=POSITIVE, default=60.0, help="KV-cache + state memory (GiB, default 60)")
+    p.add_argument("--max-num-batched-tokens", type=POSITIVE_INT, default=8192,
+                   help="token budget per step (default 8192)")
+    p.add_argument("--max-num-seqs", type=POSITIVE_INT, default=256, help="most running requests (default 256)")
+    p.add_argument("--num-speculative-tokens", type=COUNT, default=spec_tokens,
                    help=f"draft tokens per decode step (default {spec_tokens})")
-    p.add_argument("--acceptance-rate", type=float, default=0.7, help="chance each next draft is accepted")
-    p.add_argument("--in-flight", type=int, default=in_flight,
+    p.add_argument("--acceptance-rate", type=PROBABILITY, default=0.7,
+                   help="probability in [0, 1] that each next draft token is accepted, given the previous "
+                        "one was (default 0.7)")
+    p.add_argument("--in-flight", type=COUNT, default=in_flight,
                    help=f"async lag: steps whose results are not processed yet (default {in_flight})")
     p.add_argument("--use-eagle", action="store_true", help="EAGLE/MTP back-off of prefix hits")
     p.add_argument("--mamba-policy", choices=("eager", "lazy", "lazy-evict"), default="eager",
                    help="Mamba state blocks: eager align (default), lazy (align_lazy: working block + private "
                         "checkpoint, spares never evict), lazy-evict (spares may evict); see docs/replay.md")
-    p.add_argument("--step-ms", type=float, default=10.0, help="step clock: fixed ms per step (default 10)")
-    p.add_argument("--ms-per-token", type=float, default=0.05, help="step clock: ms per scheduled token (0.05)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-ms", type=NON_NEGATIVE, default=10.0, help="step clock: fixed ms per step (default 10)")
+    p.add_argument("--ms-per-token", type=NON_NEGATIVE, default=0.05,
+                   help="step clock: ms per scheduled token (default 0.05)")
+    p.add_argument("--seed", type=COUNT, default=0,
+                   help="seed of the random prompts, outputs and draft acceptance (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--plot", metavar="PNG", default=None,
@@ -50,25 +94,27 @@ def _add_common(p: argparse.ArgumentParser, *, in_flight: int, spec_tokens: int)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mambakv", description=__doc__.split("\n\n")[0])
+    description = __doc__.split("\n\n")[0].replace("``", "")  # plain text, no RST markup
+    parser = _Parser(prog="mambakv", description=description)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("replay", help="one long prefill (default 480,031 tokens): Mamba blocks per request")
     _add_common(p, in_flight=2, spec_tokens=5)
-    p.add_argument("--prompt-tokens", type=int, default=480_031)
-    p.add_argument("--output-tokens", type=int, default=4)
+    p.add_argument("--prompt-tokens", type=POSITIVE_INT, default=480_031, help="prompt length (default 480031)")
+    p.add_argument("--output-tokens", type=POSITIVE_INT, default=4, help="tokens to generate (default 4)")
     p = sub.add_parser("trace", help="a Mooncake JSONL trace: hit rate, peaks, preemptions, time")
     p.add_argument("path", help="trace file (one JSON object per line)")
     _add_common(p, in_flight=0, spec_tokens=0)
-    p.add_argument("--limit", type=int, default=None, help="first N requests")
+    p.add_argument("--limit", type=POSITIVE_INT, default=None, help="first N requests (default: all)")
     p.add_argument("--one-at-a-time", action="store_true", help="each request alone, in arrival order")
-    p.add_argument("--max-output-tokens", type=int, default=None, help="cap each request's output length")
+    p.add_argument("--max-output-tokens", type=POSITIVE_INT, default=None,
+                   help="cap each request's output length (default: the trace's)")
     p = sub.add_parser("chat", help="multi-turn conversations (each turn extends the previous one)")
     _add_common(p, in_flight=0, spec_tokens=0)
-    p.add_argument("--conversations", type=int, default=8)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--one-at-a-time", action="store_true")
+    p.add_argument("--conversations", type=POSITIVE_INT, default=8, help="number of chats (default 8)")
+    p.add_argument("--turns", type=POSITIVE_INT, default=4, help="turns per chat (default 4)")
+    p.add_argument("--one-at-a-time", action="store_true", help="each turn alone, in arrival order")
     p = sub.add_parser("models", help="the packaged model configs")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     return parser
 
 
@@ -181,7 +227,10 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``mambakv``; returns the exit status (0 ok, 2 bad input)."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a bad argument (2, one line already printed)
+        return e.code if isinstance(e.code, int) else 2
     try:
         if args.command == "models":
             from mambakv.models import format_models_table, list_models, model_info

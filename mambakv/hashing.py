@@ -6,15 +6,18 @@ prefix up to it. That is how a coarse block (e.g. 544 tokens) gets its key from 
 blocks (16 tokens) without re-hashing any token: its key is the fine digest that ends it
 (see :func:`coarse_block_hashes`).
 
-Token ids are hashed as little-endian int32 bytes. A request keeps its ids in one numpy
-buffer (converted once); each full block's slice is hashed with the parent digest. Measured on
+Token ids are non-negative int32 (``0 .. 2**31 - 1``), hashed as little-endian int32 bytes.
+A request keeps its ids in one numpy buffer (converted once); each full block's slice is
+hashed with the parent digest. Measured on
 a 2-core machine: 480,000 tokens at hash block 16 hash in about 5 ms from an int32 array
 (``bench/bench_hashing.py``).
 """
 
 from __future__ import annotations
 
+import array
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +28,9 @@ from mambakv.errors import InvalidTokenCountError
 
 _digest = xxhash.xxh3_128_digest
 TOKEN_DTYPE = np.dtype("<i4")
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_TOKEN_MAX = 2**31 - 1
+#: ``array`` typecode of a 4-byte unsigned int ("I" on every mainstream platform).
+_U32 = "I" if array.array("I").itemsize == 4 else "L"
 
 #: Seed of every hash chain (the parent of a request's first block). See init_none_hash.
 NONE_HASH: bytes = b""
@@ -53,24 +58,35 @@ init_none_hash()
 
 
 def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Return the ids as a little-endian int32 array: an int32 array is used as is, a list or
-    an array of another integer dtype is converted once.
+    """Return the ids as a little-endian int32 array: an int32 array is used as is (not
+    copied), a list or an array of another integer dtype is converted once.
+
+    Every id must be in ``0 .. 2**31 - 1``. A list is converted with ``array.array`` of
+    unsigned 32-bit ints, which raises on floats (no silent truncation, unlike
+    ``np.fromiter``), negatives and ids >= 2**32 in C; a vectorised max then rejects
+    ``2**31 .. 2**32 - 1``. Measured on 480,031 ids (2-core machine): about 3 ms, against
+    6.5 ms for ``np.fromiter``. Arrays are checked with one vectorised min and max.
 
     Raises:
-        InvalidTokenCountError: an id does not fit in int32, or the array is not 1-D integers.
+        InvalidTokenCountError: an id outside ``0 .. 2**31 - 1``, a non-integer id, or an
+            array that is not 1-D integers.
     """
     if isinstance(token_ids, np.ndarray):
-        if token_ids.dtype == TOKEN_DTYPE and token_ids.ndim == 1:
-            return token_ids
         if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
             raise InvalidTokenCountError(f"token ids must be a 1-D integer array, got {token_ids.dtype}{token_ids.shape}")
-        if token_ids.size and (token_ids.min() < _INT32_MIN or token_ids.max() > _INT32_MAX):
-            raise InvalidTokenCountError("token ids must fit in int32")
-        return token_ids.astype(TOKEN_DTYPE)
+        if token_ids.size and (token_ids.min() < 0 or token_ids.max() > _TOKEN_MAX):
+            raise InvalidTokenCountError(f"token ids must be in 0 .. {_TOKEN_MAX}")
+        return token_ids if token_ids.dtype == TOKEN_DTYPE else token_ids.astype(TOKEN_DTYPE)
     try:
-        return np.fromiter(token_ids, dtype=TOKEN_DTYPE, count=len(token_ids))
-    except (OverflowError, ValueError, TypeError) as e:
-        raise InvalidTokenCountError(f"token ids must be ints that fit in int32: {e}") from None
+        buf = array.array(_U32, token_ids)
+    except (OverflowError, TypeError) as e:
+        raise InvalidTokenCountError(f"token ids must be ints in 0 .. {_TOKEN_MAX}: {e}") from None
+    ids = np.frombuffer(buf, dtype=np.uint32)
+    if ids.size and ids.max() > _TOKEN_MAX:
+        raise InvalidTokenCountError(f"token ids must be ints in 0 .. {_TOKEN_MAX}, got {int(ids.max())}")
+    if sys.byteorder == "little":
+        return ids.view(TOKEN_DTYPE)
+    return ids.astype(TOKEN_DTYPE)
 
 
 def encode_extra_keys(extra_keys: tuple[Any, ...] | None) -> bytes:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mambakv.errors import HashBlockSizeMismatchError, InvalidTokenCountError
+from mambakv.errors import HashBlockSizeMismatchError, InvalidRequestError, InvalidTokenCountError
 from mambakv.hashing import TOKEN_DTYPE, as_token_array, encode_extra_keys, hash_blocks
 
 
@@ -14,21 +14,28 @@ class Request:
     """One request as the block manager sees it.
 
     Args:
-        request_id: unique among live requests (may be reused after ``free``).
-        prompt_token_ids: list of ints or a 1-D integer numpy array (an int32 array is used
-            as is, anything else converted once; ids must fit in int32).
+        request_id: a str, unique among live requests (may be reused after ``free``).
+        prompt_token_ids: list of ints or a 1-D integer numpy array; every id is a
+            non-negative int32 (``0 .. 2**31 - 1``). A little-endian int32 array is used as
+            is, not copied (the request reads it until its first append): the caller must not
+            mutate it afterwards. Anything else is converted once (floats are rejected, not
+            truncated).
         hash_block_size: tokens per hash block; None adopts the coordinator's on first use.
         lora_name: LoRA adapter; part of every block's hash.
         cache_salt: part of the first block's hash only (isolates tenants).
         mm_hashes: ``(offset, length, content hash)`` per multimodal item, in tokens; an item's
             hash is part of every block that overlaps ``[offset, offset + length)``.
-        max_tokens: output tokens allowed (informational; used by the reference scheduler).
+        max_tokens: output tokens allowed, None or >= 0 (informational; used by the
+            reference scheduler).
 
     ``block_hashes`` holds one 16-byte digest per full hash block of ``all_token_ids``; it is
     extended lazily (only newly full blocks are hashed) whenever it is read.
 
     Raises:
-        InvalidTokenCountError: empty prompt, ids outside int32, bad mm_hashes.
+        InvalidTokenCountError: empty prompt, an id outside ``0 .. 2**31 - 1`` or not an int,
+            bad mm_hashes.
+        InvalidRequestError: a request_id that is not a str, a max_tokens not None nor an
+            int >= 0.
         HashBlockSizeMismatchError: a non-positive hash_block_size.
     """
 
@@ -39,6 +46,11 @@ class Request:
                  hash_block_size: int | None = None, lora_name: str | None = None,
                  cache_salt: str | None = None, mm_hashes: Sequence[tuple[int, int, str]] | None = None,
                  max_tokens: int | None = None) -> None:
+        if not isinstance(request_id, str):
+            raise InvalidRequestError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
+        if max_tokens is not None and (not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool)
+                                       or max_tokens < 0):
+            raise InvalidRequestError(f"max_tokens must be None or an int >= 0, got {max_tokens!r}")
         tokens = np.ascontiguousarray(as_token_array(prompt_token_ids))
         if tokens.size == 0:
             raise InvalidTokenCountError(f"request {request_id!r} has an empty prompt")
@@ -53,7 +65,7 @@ class Request:
         self.lora_name = lora_name
         self.cache_salt = cache_salt
         self.mm_hashes = items
-        self.max_tokens = max_tokens
+        self.max_tokens = None if max_tokens is None else int(max_tokens)
         self._tokens = tokens
         self._num_tokens = int(tokens.size)
         self._hash_block_size = hash_block_size
@@ -77,7 +89,12 @@ class Request:
         return view
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
-        """Append generated tokens (one id or several). The buffer grows by doubling."""
+        """Append generated tokens (one id or several, each in ``0 .. 2**31 - 1``). The buffer
+        grows by doubling.
+
+        Raises:
+            InvalidTokenCountError: an id out of range or not an int (nothing is appended).
+        """
         new = as_token_array([token_ids] if isinstance(token_ids, (int, np.integer)) else token_ids)
         need = self._num_tokens + new.size
         if need > self._tokens.size or not self._tokens.flags.owndata:

@@ -238,7 +238,13 @@ class MambaSpec(KVCacheSpec):
 
 @dataclass(frozen=True)
 class KVCacheGroupSpec:
-    """A KV-cache group: layers that share one spec and one block table per request."""
+    """A KV-cache group: layers that share one spec and one block table per request.
+
+    Raises:
+        InvalidSpecError: `layer_names` is not a non-empty list (or tuple) of distinct strs (a
+            bare str is refused: ``"abc"`` is not three layers), or the spec is not a
+            :class:`KVCacheSpec`.
+    """
 
     layer_names: list[str]
     kv_cache_spec: KVCacheSpec
@@ -246,8 +252,13 @@ class KVCacheGroupSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.kv_cache_spec, KVCacheSpec):
             raise InvalidSpecError(f"kv_cache_spec must be a KVCacheSpec, got {self.kv_cache_spec!r}")
-        if not self.layer_names:
+        names = self.layer_names
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise InvalidSpecError(f"layer_names must be a list of strs, got {names!r}")
+        if not names:
             raise InvalidSpecError("a KV-cache group needs at least one layer")
+        if len(set(names)) != len(names):
+            raise InvalidSpecError(f"a layer is named twice in one group: {names!r}")
 
 
 @dataclass(frozen=True)
@@ -255,7 +266,7 @@ class KVCacheConfig:
     """All groups of a model over one pool of ``num_blocks`` blocks (block 0 is the null block).
 
     Raises:
-        InvalidSpecError: fewer than 2 blocks, or no group.
+        InvalidSpecError: fewer than 2 blocks, no group, or a layer name in two groups.
     """
 
     num_blocks: int
@@ -266,3 +277,11 @@ class KVCacheConfig:
             raise InvalidSpecError(f"num_blocks must be an int >= 2 (block 0 is null), got {self.num_blocks!r}")
         if not self.kv_cache_groups:
             raise InvalidSpecError("a KVCacheConfig needs at least one KV-cache group")
+        seen: set[str] = set()
+        for g in self.kv_cache_groups:
+            if not isinstance(g, KVCacheGroupSpec):
+                raise InvalidSpecError(f"kv_cache_groups must hold KVCacheGroupSpecs, got {g!r}")
+            dup = seen.intersection(g.layer_names)
+            if dup:
+                raise InvalidSpecError(f"layer {sorted(dup)[0]!r} is in more than one KV-cache group")
+            seen.update(g.layer_names)

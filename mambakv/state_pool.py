@@ -201,21 +201,30 @@ class MambaStatePool:
         """States per layer (2 for Mamba1/Mamba2/GDN: conv, SSM)."""
         return len(self.kv_cache_spec.shapes)
 
+    def _layer(self, layer: int, i: int | None = None) -> tuple[torch.Tensor, ...]:
+        """The states of ``layer``; InvalidSpecError unless ``0 <= layer < num_layers`` and
+        ``0 <= i < num_states`` (ints; no negative indexing)."""
+        for what, v, n in (("layer", layer, self.num_layers), ("state", i, self.num_states)):
+            if v is not None and (isinstance(v, bool) or not hasattr(v, "__index__") or not 0 <= v < n):
+                raise InvalidSpecError(f"{what} index {v!r} out of range 0 .. {n - 1}")
+        return self._states[layer]
+
     def state(self, layer: int, i: int) -> torch.Tensor:
-        """State ``i`` of ``layer``: ``[num_blocks, *spec.shapes[i]]``, row = block id."""
-        return self._states[layer][i]
+        """State ``i`` of ``layer``: ``[num_blocks, *spec.shapes[i]]``, row = block id.
+        Raises InvalidSpecError for an index out of range (as the accessors below)."""
+        return self._layer(layer, i)[i]
 
     def conv_state(self, layer: int) -> torch.Tensor:
         """Conv state (state 0) of ``layer``: ``[num_blocks, d_conv - 1, conv_dim]``."""
-        return self._states[layer][0]
+        return self._layer(layer, 0)[0]
 
     def ssm_state(self, layer: int) -> torch.Tensor:
         """SSM state (state 1) of ``layer``, e.g. ``[num_blocks, heads, head_dim, d_state]``."""
-        return self._states[layer][1]
+        return self._layer(layer, 1)[1]
 
     def layer_states(self, layer: int) -> tuple[torch.Tensor, ...]:
         """All states of ``layer``, in spec order."""
-        return self._states[layer]
+        return self._layer(layer)
 
     @property
     def bytes_per_block(self) -> int:

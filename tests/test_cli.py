@@ -116,3 +116,70 @@ def test_plot(tmp_path, capsys):
         assert not png.exists()
     else:
         assert rc == 0 and png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["replay", "--memory-gib", "nan"], "--memory-gib"), (["replay", "--memory-gib", "inf"], "--memory-gib"),
+    (["replay", "--memory-gib", "0"], "--memory-gib"), (["replay", "--memory-gib", "-1"], "--memory-gib"),
+    (["replay", "--memory-gib", "x"], "--memory-gib"),
+    (["replay", "--acceptance-rate", "1.5"], "--acceptance-rate"),
+    (["replay", "--acceptance-rate", "-0.1"], "--acceptance-rate"),
+    (["replay", "--acceptance-rate", "nan"], "--acceptance-rate"),
+    (["replay", "--step-ms", "-1"], "--step-ms"), (["replay", "--step-ms", "inf"], "--step-ms"),
+    (["replay", "--ms-per-token", "nan"], "--ms-per-token"),
+    (["replay", "--max-num-seqs", "0"], "--max-num-seqs"), (["replay", "--max-num-batched-tokens", "-5"], "batched"),
+    (["replay", "--num-speculative-tokens", "-1"], "--num-speculative"), (["replay", "--in-flight", "-1"], "--in-flight"),
+    (["replay", "--seed", "-1"], "--seed"), (["replay", "--prompt-tokens", "0"], "--prompt-tokens"),
+    (["chat", "--turns", "1.5"], "--turns"), (["chat", "--conversations", "0"], "--conversations"),
+    (["trace", "t.jsonl", "--limit", "0"], "--limit"), (["trace", "t.jsonl", "--max-output-tokens", "0"], "--max-output"),
+    (["replay", "--no-such-flag"], "unrecognized"), ([], "required"),
+])
+def test_bad_arguments_one_line_exit_2(argv, why, capsys):
+    assert main(argv) == 2  # returned, not a SystemExit
+    assert why in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("gib, why", [("1e30", "limit of"), ("1e308", "too large")])
+def test_huge_memory_refused_fast(gib, why, capsys):
+    # 1e30 GiB would be ~8e31 blocks of 13,369,344 B: the pool grew without end
+    assert main(["replay", "--memory-gib", gib]) == 2
+    assert why in _one_line_error(capsys)
+
+
+def test_config_path_that_does_not_exist_says_cannot_read(tmp_path, capsys):
+    for cfg in ("nosuch.json", str(tmp_path / "dir" / "config")):
+        assert main(["replay", "--config", cfg]) == 2
+        err = _one_line_error(capsys)
+        assert "cannot read" in err and "not a packaged name" not in err
+    assert main(["replay", "--config", "nosuch"]) == 2  # a bare name: still the unknown-model message
+    assert "not a packaged name" in _one_line_error(capsys)
+
+
+def test_nan_timestamp_and_non_utf8_trace_exit_2(tmp_path, capsys):
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps(ROWS[0]) + "\n" + '{"timestamp": NaN, "input_length": 6, "output_length": 1, '
+                 '"hash_ids": [1]}\n')
+    assert main(["trace", str(p)]) == 2
+    assert "line 2" in _one_line_error(capsys)
+    p.write_bytes(json.dumps(ROWS[0]).encode() + b"\n\xff\xfe\n")
+    assert main(["trace", str(p)]) == 2
+    err = _one_line_error(capsys)
+    assert "line 2" in err and "UTF-8" in err
+
+
+def test_help_is_plain_text_and_documents_every_flag(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and "mambakv command" in out
+    for cmd in ("replay", "trace", "chat", "models"):
+        assert main([cmd, "--help"]) == 0
+        out = capsys.readouterr().out
+        assert "``" not in out
+        lines = out.split("options:")[1].splitlines()
+        # every option line "  --flag METAVAR   help" has its help text on the line or the next one
+        for i, line in enumerate(lines):
+            if line.startswith("  -") and len(line.split("  ")) < 3:
+                assert lines[i + 1].startswith(" " * 10), f"{cmd}: no help for {line.strip()}"
+    assert main(["replay", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default 0.7)" in out and "--seed SEED seed of" in out and "(default 0)" in out

@@ -6,8 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mambakv import (InvalidBlockError, InvalidDraftCountError, InvalidRequestError, InvalidTokenCountError,
-                     KVCacheBlocks, Request)
+from mambakv import (
+    InvalidBlockError,
+    InvalidDraftCountError,
+    InvalidRequestError,
+    InvalidTokenCountError,
+    KVCacheBlocks,
+    Request,
+)
 from tests.coord_helpers import coordinator, fa_spec, prefill, snapshot, step, tokens
 from tests.helpers import mamba_spec
 

@@ -78,7 +78,7 @@ def test_extra_keys_change_hash():
 
 
 def test_list_int32_int64_hash_equally():
-    ids = [5, 0, 2**31 - 1, -(2**31), 12345, 7, 8, 9]
+    ids = [5, 0, 2**31 - 1, 2**31 - 2, 12345, 7, 8, 9]  # both ends of 0 .. 2**31 - 1
     expect = ref_chain(ids, 4)
     for form in (ids, np.array(ids, dtype=np.int32), np.array(ids, dtype=np.int64)):
         got = hash_blocks(as_token_array(form), 4, 0, 2, None)
@@ -88,12 +88,27 @@ def test_list_int32_int64_hash_equally():
     assert as_token_array(arr32) is arr32  # used as is, no copy
 
 
-@pytest.mark.parametrize("bad", [[1, 2**31], [-(2**31) - 1], np.array([0, 2**31], dtype=np.int64),
-                                 np.array([[1, 2]], dtype=np.int32), np.array([1.0, 2.0])])
-def test_ids_outside_int32_raise(bad):
+@pytest.mark.parametrize("bad", [
+    [1, 2**31], [-(2**31) - 1], np.array([0, 2**31], dtype=np.int64), np.array([[1, 2]], dtype=np.int32),
+    np.array([1.0, 2.0]),
+    [-1], [3, -5], [2**32], [2**32 + 1], [2**40],  # negative; >= 2**32 (array "I" overflows)
+    [2**31, 0], [2**32 - 1],  # 2**31 .. 2**32 - 1 fit in uint32: caught by the max check
+    [1.9, 2.0], [np.float64(3.0)], [1, "2"], "ab", [[1, 2]],  # not ints (np.fromiter truncated 1.9 to 1)
+    np.array([-1, 5], dtype=np.int32), np.array([-1], dtype=np.int64), np.array([2**31], dtype=np.uint32),
+])
+def test_ids_outside_0_to_int32_max_raise(bad):
     with pytest.raises(InvalidTokenCountError) as e:
         as_token_array(bad)
     assert isinstance(e.value, MambaKVError)
+
+
+def test_list_ids_accept_numpy_ints_and_equal_fromiter():
+    ids = [0, 1, 2**31 - 1, np.int64(7), np.uint32(9), np.int32(11)]
+    got = as_token_array(ids)
+    assert got.dtype == np.dtype("<i4") and got.tolist() == [0, 1, 2**31 - 1, 7, 9, 11]
+    big = list(range(0, 2**31 - 1, 4_000_007))  # 537 ids spread over the range
+    assert np.array_equal(as_token_array(big), np.fromiter(big, dtype="<i4", count=len(big)))
+    assert hash_block_tokens(None, [2**31 - 1]) == ref_chain([2**31 - 1], 1)[0]
 
 
 def test_hash_blocks_ranges_and_partial_blocks():

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 import mambakv.request as request_mod
-from mambakv import HashBlockSizeMismatchError, InvalidTokenCountError, MambaKVError, Request, hash_block_tokens
+from mambakv import (
+    HashBlockSizeMismatchError,
+    InvalidRequestError,
+    InvalidTokenCountError,
+    MambaKVError,
+    Request,
+    hash_block_tokens,
+)
 from mambakv.managers.base import BlockHashView, group_block_hashes
 
 
@@ -43,10 +50,40 @@ def test_list_int32_int64_prompts_hash_equally():
     assert len(a) == 8 and a == b == c == chain(TOKS, 8)
 
 
-@pytest.mark.parametrize("bad", [[1, 2**31], [-(2**31) - 1, 0], np.array([2**40], dtype=np.int64)])
-def test_prompt_ids_outside_int32_raise(bad):
+@pytest.mark.parametrize("bad", [
+    [1, 2**31], [-(2**31) - 1, 0], np.array([2**40], dtype=np.int64),
+    [1.9, 2.0], [3, 4.0], [-1, 5], [2**32], np.array([7, -1], dtype=np.int32), np.array([0.0, 1.0]),
+])
+def test_prompt_ids_outside_0_to_int32_max_or_not_ints_raise(bad):
+    # [1.9, 2.0] was silently truncated to [1, 2] by np.fromiter
     with pytest.raises(InvalidTokenCountError):
         Request("r", bad, hash_block_size=4)
+
+
+def test_largest_id_accepted_and_int32_array_used_as_is():
+    r = Request("r", [0, 2**31 - 1], hash_block_size=2)
+    assert r.all_token_ids.tolist() == [0, 2**31 - 1]
+    arr = np.array([5, 6, 7], dtype=np.int32)
+    assert np.shares_memory(Request("s", arr).all_token_ids, arr)  # not copied (caller must not mutate it)
+
+
+@pytest.mark.parametrize("rid", [1, None, b"r", ("r",)])
+def test_request_id_must_be_str(rid):
+    with pytest.raises(InvalidRequestError) as e:
+        Request(rid, [1, 2])
+    assert isinstance(e.value, MambaKVError)
+
+
+@pytest.mark.parametrize("max_tokens", [-1, 1.5, "3", True])
+def test_bad_max_tokens_raise(max_tokens):
+    with pytest.raises(InvalidRequestError):
+        Request("r", [1, 2], max_tokens=max_tokens)
+
+
+def test_max_tokens_none_zero_and_numpy_int_accepted():
+    assert Request("r", [1], max_tokens=None).max_tokens is None
+    assert Request("r", [1], max_tokens=0).max_tokens == 0
+    assert Request("r", [1], max_tokens=np.int64(7)).max_tokens == 7
 
 
 @pytest.mark.parametrize("empty", [[], np.array([], dtype=np.int32), np.array([], dtype=np.int64)])
@@ -124,9 +161,10 @@ def test_append_grows_buffer_beyond_prompt_array():
 def test_append_out_of_range_changes_nothing():
     r = Request("r", TOKS[:8], hash_block_size=4)
     before = list(r.block_hashes)
-    with pytest.raises(InvalidTokenCountError):
-        r.append_output_token_ids([5, 2**31])
-    assert r.num_tokens == 8 and list(r.all_token_ids) == TOKS[:8] and r.block_hashes == before
+    for bad in ([5, 2**31], [5, -1], -1, 2**31, 1.5, [2, 3.7], np.array([4, -2], dtype=np.int32)):
+        with pytest.raises(InvalidTokenCountError):
+            r.append_output_token_ids(bad)
+        assert r.num_tokens == 8 and list(r.all_token_ids) == TOKS[:8] and r.block_hashes == before
 
 
 def test_lora_changes_every_block():

@@ -9,7 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mambakv import FullAttentionSpec, KVCacheConfig, KVCacheCoordinator, KVCacheGroupSpec, TraceFormatError
+from mambakv import (
+    FullAttentionSpec,
+    InvalidSpecError,
+    InvalidTokenCountError,
+    KVCacheConfig,
+    KVCacheCoordinator,
+    KVCacheGroupSpec,
+    TraceFormatError,
+)
 from mambakv.sim import RequestSpec, Scheduler, conversations, load_trace, run_replay, run_trace, trace_block_tokens
 from tests.helpers import mamba_spec
 
@@ -199,6 +207,11 @@ def test_trace_tokens_share_exactly_their_hash_ids(tmp_path):
     ('{"timestamp": 0, "input_length": 10, "output_length": 1}', "hash_ids"),
     ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}', "input_length 600"),
     ('{"timestamp": -1, "input_length": 6, "output_length": 1, "hash_ids": [1]}', "timestamp"),
+    # json.loads accepts NaN / Infinity; NaN < 0 is False, so they used to pass (nan / inf clock)
+    ('{"timestamp": NaN, "input_length": 6, "output_length": 1, "hash_ids": [1]}', "timestamp .*finite"),
+    ('{"timestamp": Infinity, "input_length": 6, "output_length": 1, "hash_ids": [1]}', "timestamp .*finite"),
+    ('{"timestamp": -Infinity, "input_length": 6, "output_length": 1, "hash_ids": [1]}', "timestamp"),
+    ('{"timestamp": "5", "input_length": 6, "output_length": 1, "hash_ids": [1]}', "timestamp"),
 ])
 def test_malformed_trace_line_names_its_line(tmp_path, line, why):
     p = tmp_path / "t.jsonl"
@@ -209,6 +222,48 @@ def test_malformed_trace_line_names_its_line(tmp_path, line, why):
     assert len(load_trace(p, limit=2)) == 2  # the bad line is never read
     with pytest.raises(TraceFormatError, match="cannot read"):
         load_trace(tmp_path / "missing.jsonl")
+
+
+def test_non_utf8_trace_line_names_its_line(tmp_path):
+    p = tmp_path / "t.jsonl"
+    good = b'{"timestamp": 0, "input_length": 6, "output_length": 1, "hash_ids": [1]}\n'
+    p.write_bytes(good + b'{"timestamp": 1, "x": "\xff\xfe", "input_length": 6}\n')
+    with pytest.raises(TraceFormatError, match="line 2: not UTF-8"):
+        load_trace(p)
+    assert len(load_trace(p, limit=1)) == 1
+
+
+@pytest.mark.parametrize("gib, why", [(float("nan"), "finite"), (float("inf"), "finite"), (0, "> 0"),
+                                      (-1, "> 0"), ("60", "finite"), (1e308, "too large"),
+                                      # 1e30 GiB / 13,369,344 B per block ~ 8e31 blocks
+                                      (1e30, "exceeds the simulator's limit")])
+def test_build_coordinator_refuses_bad_or_huge_memory(gib, why):
+    from mambakv.sim.runner import build_coordinator
+
+    with pytest.raises(InvalidSpecError, match=why):
+        build_coordinator("qwen3-next-80b-a3b", gib)
+
+
+def test_block_limit_boundary():
+    from mambakv.sim.runner import MAX_NUM_BLOCKS, build_coordinator
+
+    with pytest.raises(InvalidSpecError, match="num_blocks"):
+        build_coordinator("qwen3-next-80b-a3b", 1.0, num_blocks=MAX_NUM_BLOCKS + 1)
+    # 1 GiB / 13,369,344 B = 80 blocks: far below the limit
+    assert build_coordinator("qwen3-next-80b-a3b", 1.0).block_pool.num_blocks == 80
+
+
+def test_oversized_workloads_refused_before_building():
+    from mambakv.sim.runner import DEFAULT_MAX_MODEL_LEN
+
+    with pytest.raises(InvalidTokenCountError, match="max_model_len"):  # a 400 GB prompt was allocated
+        run_replay(prompt_tokens=10**11)
+    with pytest.raises(InvalidTokenCountError, match="max_model_len"):
+        run_replay(prompt_tokens=DEFAULT_MAX_MODEL_LEN, output_tokens=1)
+    with pytest.raises(TraceFormatError, match="use fewer"):
+        conversations(10**11, 4)  # built every prompt up front: ran without end
+    # the worst case of 8 chats x 4 turns: 8 x (4 x 1024 + 1024 x 10 + 256 x 6) = 126,976 tokens
+    assert len(conversations(8, 4)) == 32
 
 
 def test_conversation_turn_extends_previous_prompt_and_output():

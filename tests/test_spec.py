@@ -54,6 +54,14 @@ INVALID = {
     "padded below raw": lambda: mamba(page_size_padded=175),  # raw page is 176 B (see below)
     "group without layers": lambda: KVCacheGroupSpec([], FullAttentionSpec(16, 8, 128, "bfloat16")),
     "group without spec": lambda: KVCacheGroupSpec(["l0"], "full"),
+    "group names a str": lambda: KVCacheGroupSpec("abc", FullAttentionSpec(16, 8, 128, "bfloat16")),  # not 3 layers
+    "group names not strs": lambda: KVCacheGroupSpec([0, 1], FullAttentionSpec(16, 8, 128, "bfloat16")),
+    "group names a set": lambda: KVCacheGroupSpec({"l0"}, FullAttentionSpec(16, 8, 128, "bfloat16")),
+    "group layer twice": lambda: KVCacheGroupSpec(["l0", "l0"], FullAttentionSpec(16, 8, 128, "bfloat16")),
+    "config layer in two groups": lambda: KVCacheConfig(10, [
+        KVCacheGroupSpec(["l0", "l1"], FullAttentionSpec(16, 1, 8, "float16")),
+        KVCacheGroupSpec(["l2", "l1"], FullAttentionSpec(16, 1, 8, "float16"))]),
+    "config group not a group": lambda: KVCacheConfig(10, [FullAttentionSpec(16, 1, 8, "float16")]),
     "config 1 block": lambda: KVCacheConfig(1, [KVCacheGroupSpec(["l0"], FullAttentionSpec(16, 1, 8, "float16"))]),
     "config no groups": lambda: KVCacheConfig(10, []),
 }

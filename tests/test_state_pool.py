@@ -156,6 +156,22 @@ def test_bad_construction():
         MambaStatePool(SPEC, 1, 10, views=wrong * 2)
 
 
+@pytest.mark.parametrize("call", [
+    lambda p: p.conv_state(3), lambda p: p.conv_state(5), lambda p: p.conv_state(-1),  # 3 layers: 0 .. 2
+    lambda p: p.ssm_state(3), lambda p: p.layer_states(3), lambda p: p.layer_states(-4),
+    lambda p: p.state(0, 2), lambda p: p.state(0, -1), lambda p: p.state(3, 0),  # 2 states: 0 .. 1
+    lambda p: p.state(1.0, 0), lambda p: p.conv_state(True), lambda p: p.conv_state("0"),
+])
+def test_layer_or_state_index_out_of_range_raises(call):
+    pool = MambaStatePool(SPEC, 3, 4, "cpu")
+    with pytest.raises(InvalidSpecError) as e:
+        call(pool)
+    assert isinstance(e.value, MambaKVError)  # was a bare IndexError
+    # the last valid indices still work
+    assert pool.conv_state(2).shape == (4, 3, 8) and pool.state(2, 1) is pool.ssm_state(2)
+    assert len(pool.layer_states(2)) == 2
+
+
 def test_export_block_table():
     assert export_block_table([0, 0, 7, 9]).tolist() == [-1, -1, 7, 9]
     assert export_block_table([]).dtype == torch.int32

@@ -7,6 +7,7 @@ cache needs) with a ``"_sources"`` key naming where every value comes from.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from mambakv.errors import ModelConfigError
@@ -36,7 +37,8 @@ def load_model(name_or_path: str | Path | HybridModel) -> HybridModel:
 
     Raises:
         ModelConfigError: neither a packaged name nor an existing path (the message lists the
-            known names), or a config that cannot be parsed.
+            known names), a path-looking argument (ending in ``.json`` or holding a path
+            separator) that cannot be read, or a config that cannot be parsed.
     """
     if isinstance(name_or_path, HybridModel):
         return name_or_path
@@ -44,7 +46,8 @@ def load_model(name_or_path: str | Path | HybridModel) -> HybridModel:
     if key in list_models():
         return parse_config(packaged_config(key), key)
     path = Path(name_or_path)
-    if path.exists():
-        return read_config(path)
+    text = str(name_or_path)
+    if path.exists() or key.endswith(".json") or any(sep and sep in text for sep in (os.sep, os.altsep, "/")):
+        return read_config(path)  # "cannot read <path>: ..." when it is missing
     raise ModelConfigError(f"unknown model {str(name_or_path)!r}: not a packaged name nor a "
                            f"path; known: {', '.join(list_models())}")

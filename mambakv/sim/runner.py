@@ -8,13 +8,14 @@ is what ``mambakv ... --json`` prints.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mambakv.coordinator import KVCacheCoordinator
-from mambakv.errors import InvalidSpecError
+from mambakv.errors import InvalidSpecError, InvalidTokenCountError
 from mambakv.models import build_kv_cache_config, load_model
 from mambakv.sim.metrics import SimMetrics
 from mambakv.sim.scheduler import Scheduler, SimRequest
@@ -30,6 +31,11 @@ GIB = 1 << 30
 DEFAULT_MAX_MODEL_LEN = 1 << 21
 #: ``--mamba-policy`` -> (Mamba cache mode, lazy spares may evict a cached block)
 MAMBA_POLICIES = {"eager": ("align", False), "lazy": ("align_lazy", False), "lazy-evict": ("align_lazy", True)}
+#: Most blocks a simulated pool may have. Measured on a 2-core machine: a 1,000,000-block
+#: coordinator takes 0.75 s and ~100 MiB of host memory to build, so this bound is ~8 s and
+#: ~1 GiB; it is far above real budgets (8 x 141 GiB of Jamba blocks of 1.25 MiB is ~0.9 M)
+#: and stops ``--memory-gib 1e30`` from allocating without end.
+MAX_NUM_BLOCKS = 10_000_000
 
 
 def build_coordinator(model: str | Path = DEFAULT_MODEL, memory_gib: float = 60.0, *,
@@ -45,19 +51,27 @@ def build_coordinator(model: str | Path = DEFAULT_MODEL, memory_gib: float = 60.
 
     Raises:
         ModelConfigError: unknown model / unreadable config.
-        InvalidSpecError: fewer than 2 blocks fit.
+        InvalidSpecError: memory not a finite number > 0, fewer than 2 blocks fit, or more
+            than MAX_NUM_BLOCKS blocks.
     """
-    if memory_gib <= 0:
-        raise InvalidSpecError(f"memory must be > 0 GiB, got {memory_gib}")
+    if isinstance(memory_gib, bool) or not isinstance(memory_gib, (int, float)) or not math.isfinite(memory_gib) \
+            or memory_gib <= 0:
+        raise InvalidSpecError(f"memory must be a finite number > 0 GiB, got {memory_gib!r}")
     evict = False
     if mamba_policy is not None:
         if mamba_policy not in MAMBA_POLICIES:
             raise InvalidSpecError(f"unknown Mamba policy {mamba_policy!r}; known: {', '.join(MAMBA_POLICIES)}")
         mamba_mode, evict = MAMBA_POLICIES[mamba_policy]
+    if not math.isfinite(memory_gib * GIB):  # 1e308 GiB: the byte count overflows a float
+        raise InvalidSpecError(f"memory {memory_gib:g} GiB is too large")
     cfg = build_kv_cache_config(load_model(model), int(memory_gib * GIB), mamba_mode=mamba_mode,
                                 num_speculative_blocks=num_speculative_tokens)
     if num_blocks is not None:
         cfg = KVCacheConfig(num_blocks, cfg.kv_cache_groups)
+    if cfg.num_blocks > MAX_NUM_BLOCKS:
+        src = f"{memory_gib:g} GiB" if num_blocks is None else "num_blocks"
+        raise InvalidSpecError(f"a pool of {cfg.num_blocks:,} blocks ({src}) exceeds the simulator's limit of "
+                               f"{MAX_NUM_BLOCKS:,} blocks; use less memory")
     return KVCacheCoordinator(cfg, max_model_len=max_model_len, enable_caching=enable_caching, use_eagle=use_eagle,
                               max_num_seqs=max_num_seqs, lazy_spare_may_evict=evict)
 
@@ -132,7 +146,14 @@ def run_replay(model: str | Path = DEFAULT_MODEL, *, prompt_tokens: int = 480_03
                **kwargs: Any) -> SimResult:
     """One long prefill (default 480,031 tokens) then a few decode steps, DESIGN.md 5.1's replay.
 
-    With the defaults each Mamba group's request peaks at ``2 + 5 + 2 = 9`` blocks."""
+    With the defaults each Mamba group's request peaks at ``2 + 5 + 2 = 9`` blocks.
+
+    Raises:
+        InvalidTokenCountError: ``prompt_tokens + output_tokens`` > DEFAULT_MAX_MODEL_LEN
+            (checked before the prompt is built)."""
+    if prompt_tokens + output_tokens > DEFAULT_MAX_MODEL_LEN:
+        raise InvalidTokenCountError(f"prompt {prompt_tokens:,} + output {output_tokens:,} tokens exceed "
+                                     f"max_model_len {DEFAULT_MAX_MODEL_LEN:,}")
     coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens, use_eagle=use_eagle,
                               mamba_policy=mamba_policy, max_num_seqs=kwargs.get("max_num_seqs", 256))
     settings = {"workload": "replay", "model": str(model), "memory_gib": memory_gib, "mamba_policy": mamba_policy,

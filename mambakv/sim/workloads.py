@@ -13,6 +13,7 @@ equal ids give equal tokens, so prefix sharing is exactly the trace's.
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,9 @@ __all__ = ["DEFAULT_VOCAB", "TRACE_BLOCK_TOKENS", "RequestSpec", "conversations"
 DEFAULT_VOCAB = 151_936
 #: Tokens per hash id in the Mooncake trace.
 TRACE_BLOCK_TOKENS = 512
+#: Most prompt tokens :func:`conversations` may build (it holds every prompt: 2**28 int32 ids
+#: are 1 GiB), bounded with the longest message and output lengths.
+MAX_CHAT_TOKENS = 1 << 28
 
 
 @dataclass
@@ -91,10 +95,18 @@ def trace_block_tokens(hash_id: int, vocab: int = DEFAULT_VOCAB) -> np.ndarray:
     return np.random.default_rng(hash_id).integers(0, vocab, TRACE_BLOCK_TOKENS, dtype=np.int32)
 
 
-def _trace_row(path: Path, lineno: int, line: str) -> tuple[float, int, int, list[int]]:
+def _trace_row(path: Path, lineno: int, raw: bytes) -> tuple[float, int, int, list[int]] | None:
+    """One parsed line: ``(timestamp ms, input_length, output_length, hash_ids)``, or None for a
+    blank line.  Raises TraceFormatError naming `path` and `lineno`."""
     def bad(why: str) -> TraceFormatError:
         return TraceFormatError(f"{path}: line {lineno}: {why}")
 
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad(f"not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
+    if not line.strip():
+        return None
     try:
         row = json.loads(line)
     except ValueError as e:
@@ -105,8 +117,8 @@ def _trace_row(path: Path, lineno: int, line: str) -> tuple[float, int, int, lis
         ts, n_in, n_out, ids = row["timestamp"], row["input_length"], row["output_length"], row["hash_ids"]
     except KeyError as e:
         raise bad(f"missing field {e.args[0]!r}") from None
-    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or ts < 0:
-        raise bad(f"timestamp must be a number >= 0, got {ts!r}")
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts) or ts < 0:
+        raise bad(f"timestamp must be a finite number >= 0, got {ts!r}")
     for name, v, low in (("input_length", n_in, 1), ("output_length", n_out, 0)):
         if not isinstance(v, int) or isinstance(v, bool) or v < low:
             raise bad(f"{name} must be an int >= {low}, got {v!r}")
@@ -126,8 +138,10 @@ def load_trace(path: str | Path, *, limit: int | None = None, vocab: int = DEFAU
     lines are skipped.  Requests are returned in file order (the trace is sorted by time).
 
     Raises:
-        TraceFormatError: the file cannot be read, or a line is malformed (the message names
-            the file and the 1-based line number).
+        TraceFormatError: the file cannot be read, or a line is malformed: not UTF-8, not a
+            JSON object, a missing field, a timestamp that is not a finite number >= 0 (JSON
+            ``NaN`` / ``Infinity`` are refused), bad lengths or hash ids (the message names the
+            file and the 1-based line number).
     """
     p = Path(path)
     if limit is not None and limit <= 0:
@@ -135,16 +149,17 @@ def load_trace(path: str | Path, *, limit: int | None = None, vocab: int = DEFAU
     tokens = _BlockTokens(vocab)
     out: list[RequestSpec] = []
     try:
-        f = p.open()
+        f = p.open("rb")  # bytes: a non-UTF-8 line is reported with its number
     except OSError as e:
         raise TraceFormatError(f"cannot read trace {p}: {e.strerror or e}") from None
     with f:
         for lineno, line in enumerate(f, 1):
             if limit is not None and len(out) >= limit:
                 break
-            if not line.strip():
+            row = _trace_row(p, lineno, line)
+            if row is None:
                 continue
-            ts, n_in, n_out, ids = _trace_row(p, lineno, line)
+            ts, n_in, n_out, ids = row
             n_out = max(1, n_out)
             if max_output_tokens is not None:
                 n_out = min(n_out, max(1, max_output_tokens))
@@ -170,9 +185,20 @@ def conversations(num_conversations: int = 8, turns: int = 4, *, seed: int = 0, 
     Chat c starts at ``c * spacing_ms``; turn t arrives ``t * think_ms`` later.  The output ids
     are fixed by the workload (``output_token_ids``) so that the next turn really contains them.
     Returned sorted by arrival time.
+
+    Raises:
+        TraceFormatError: a count <= 0, or more than MAX_CHAT_TOKENS prompt tokens in the worst
+            case.
     """
     if num_conversations <= 0 or turns <= 0:
         raise TraceFormatError(f"need conversations > 0 and turns > 0, got {num_conversations}, {turns}")
+    # turn t's prompt <= system + (t + 1) x message + t x output; summed over t < turns
+    msg, out_max = message_tokens[1], output_tokens[1]
+    worst = num_conversations * (turns * system_tokens + msg * turns * (turns + 1) // 2
+                                 + out_max * turns * (turns - 1) // 2)
+    if worst > MAX_CHAT_TOKENS:
+        raise TraceFormatError(f"{num_conversations} conversations x {turns} turns may hold {worst:,} prompt "
+                               f"tokens > {MAX_CHAT_TOKENS:,}; use fewer")
     rng = random.Random(seed)
     nprng = np.random.default_rng(seed)
     system = nprng.integers(0, vocab, system_tokens, dtype=np.int32)
