@@ -276,3 +276,17 @@ def test_conversation_turn_extends_previous_prompt_and_output():
     m = Scheduler(coord, check_invariants=True).run(list(specs.values()))
     assert m.finished == 6 and m.cached_tokens > 0
     assert_all_returned(coord)
+
+
+def test_generation_stops_at_max_model_len():
+    """An output longer than the model allows ends at max_model_len, as an engine's length cap
+    does: a 100-token prompt asking for 10**12 outputs finishes with exactly 160 tokens."""
+    cfg = KVCacheConfig(64, [KVCacheGroupSpec(["m"], mamba_spec(16))])
+    coord = KVCacheCoordinator(cfg, max_model_len=160)
+    spec = RequestSpec("long", 0.0, 100, 10**12, lambda: np.arange(100, dtype=np.int32))
+    done = []
+    metrics = Scheduler(coord, on_finish=done.append).run([spec], one_at_a_time=True)
+    assert metrics.finished == 1 and done[0].request.num_tokens == 160
+    assert metrics.output_tokens == 60  # 160 - 100
+    coord.check_invariants()
+    assert coord.block_pool.get_num_free_blocks() == 63

@@ -107,12 +107,14 @@ class ResultProcessor:
                 mt.output_tokens += k
             if sreq.processed > req.num_tokens:  # accepted drafts beyond the output cap are dropped
                 sreq.processed = req.num_computed_tokens = req.num_tokens
+            # Finished: all outputs, or the length cap (an engine stops at max_model_len too).
+            done = sreq.num_outputs >= sreq.spec.output_len or req.num_tokens >= coord.max_model_len
             t = _now()
             coord.retire(rid, sreq.processed)
-            if sreq.num_outputs >= sreq.spec.output_len:
+            if done:
                 coord.free(rid)
             mt.library_s += _now() - t
-            if sreq.num_outputs >= sreq.spec.output_len:
+            if done:
                 sreq.finished = True
                 sreq.is_running = False
                 self.running.remove(sreq)
