@@ -88,6 +88,7 @@ class KVCacheCoordinator:
         self.mamba_managers = tuple(m for m in self.managers if isinstance(m, MambaManager))
         #: ALIGN_LAZY groups: validated, told the computed tokens, and given spares last
         self.lazy_managers = tuple(m for m in self.managers if isinstance(m, LazyMambaManager))
+        self._manager_kinds = tuple((m, m in self.lazy_managers) for m in self.managers)
         self._publish_at_allocation = tuple(m for m in self.managers if m.publishes_at_allocation)
         self._publish_at_retire = tuple(m for m in self.managers if not m.publishes_at_allocation)
         self._retiring = tuple(m for m in self.managers if m.retires)
@@ -184,7 +185,9 @@ class KVCacheCoordinator:
             raise InvalidTokenCountError(f"num_draft_tokens must be in 0..{num_new_tokens - 1}, got {num_draft_tokens!r}")
         rid = request.request_id
         live = self._live.get(rid)
-        self._check_computed(request, live, num_new_computed_tokens, new_computed_blocks)
+        if (live is None or live.request is not request or num_new_computed_tokens
+                or request.num_computed_tokens > live.num_scheduled):  # all but a running request's step
+            self._check_computed(request, live, num_new_computed_tokens, new_computed_blocks)
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens = num_computed + num_new_tokens
         if num_tokens > self.max_model_len:
@@ -222,17 +225,17 @@ class KVCacheCoordinator:
             for m, hit in zip(managers, hits):
                 if hit:
                     m.add_computed_blocks(rid, hit)
-        lazy = self.lazy_managers
-        for m in managers:
-            if lazy and m in lazy:
+        for m, is_lazy in self._manager_kinds:
+            if is_lazy:
                 blocks = m.allocate_new_blocks(rid, num_tokens, num_lookahead_tokens,  # type: ignore[call-arg]
                                                num_draft_tokens=num_drafts, num_computed_tokens=num_computed,
                                                defer_spare=True)
             else:
                 blocks = m.allocate_new_blocks(rid, num_tokens, num_lookahead_tokens, num_draft_tokens=num_drafts)
             new_blocks.append(blocks)
-            any_new = any_new or bool(blocks)
-        for m in lazy:  # optional spares last: they may only use blocks nobody counted on
+            if blocks:
+                any_new = True
+        for m in self.lazy_managers:  # optional spares last: they may only use blocks nobody counted on
             m.plan_checkpoint_write(rid)
         if live is None:
             self._live[rid] = _LiveRequest(request, num_tokens)

@@ -28,7 +28,7 @@ from mambakv.errors import InvalidTokenCountError
 
 _digest = xxhash.xxh3_128_digest
 TOKEN_DTYPE = np.dtype("<i4")
-_TOKEN_MAX = 2**31 - 1
+TOKEN_MAX = 2**31 - 1  # token ids are non-negative int32
 #: ``array`` typecode of a 4-byte unsigned int ("I" on every mainstream platform).
 _U32 = "I" if array.array("I").itemsize == 4 else "L"
 
@@ -74,16 +74,16 @@ def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     if isinstance(token_ids, np.ndarray):
         if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
             raise InvalidTokenCountError(f"token ids must be a 1-D integer array, got {token_ids.dtype}{token_ids.shape}")
-        if token_ids.size and (token_ids.min() < 0 or token_ids.max() > _TOKEN_MAX):
-            raise InvalidTokenCountError(f"token ids must be in 0 .. {_TOKEN_MAX}")
+        if token_ids.size and (token_ids.min() < 0 or token_ids.max() > TOKEN_MAX):
+            raise InvalidTokenCountError(f"token ids must be in 0 .. {TOKEN_MAX}")
         return token_ids if token_ids.dtype == TOKEN_DTYPE else token_ids.astype(TOKEN_DTYPE)
     try:
         buf = array.array(_U32, token_ids)
     except (OverflowError, TypeError) as e:
-        raise InvalidTokenCountError(f"token ids must be ints in 0 .. {_TOKEN_MAX}: {e}") from None
+        raise InvalidTokenCountError(f"token ids must be ints in 0 .. {TOKEN_MAX}: {e}") from None
     ids = np.frombuffer(buf, dtype=np.uint32)
-    if ids.size and ids.max() > _TOKEN_MAX:
-        raise InvalidTokenCountError(f"token ids must be ints in 0 .. {_TOKEN_MAX}, got {int(ids.max())}")
+    if ids.size and ids.max() > TOKEN_MAX:
+        raise InvalidTokenCountError(f"token ids must be ints in 0 .. {TOKEN_MAX}, got {int(ids.max())}")
     if sys.byteorder == "little":
         return ids.view(TOKEN_DTYPE)
     return ids.astype(TOKEN_DTYPE)

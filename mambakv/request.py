@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from mambakv.errors import HashBlockSizeMismatchError, InvalidRequestError, InvalidTokenCountError
-from mambakv.hashing import TOKEN_DTYPE, as_token_array, encode_extra_keys, hash_blocks
+from mambakv.hashing import TOKEN_DTYPE, TOKEN_MAX, as_token_array, encode_extra_keys, hash_blocks
 
 
 class Request:
@@ -95,8 +95,20 @@ class Request:
         Raises:
             InvalidTokenCountError: an id out of range or not an int (nothing is appended).
         """
-        new = as_token_array([token_ids] if isinstance(token_ids, (int, np.integer)) else token_ids)
-        need = self._num_tokens + new.size
+        if isinstance(token_ids, (int, np.integer)):
+            token_ids = [token_ids]
+        if isinstance(token_ids, list) and len(token_ids) <= 16:
+            # A decode step appends a few ids: checking them in Python is cheaper than the
+            # array.array + numpy round trip that a long list pays off.
+            for t in token_ids:
+                if not (isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t <= TOKEN_MAX):
+                    raise InvalidTokenCountError(f"token ids must be ints in 0 .. {TOKEN_MAX}, got {t!r}")
+            new = token_ids
+            num_new = len(token_ids)
+        else:
+            new = as_token_array(token_ids)
+            num_new = new.size
+        need = self._num_tokens + num_new
         if need > self._tokens.size or not self._tokens.flags.owndata:
             grown = np.empty(max(need, 2 * self._tokens.size), dtype=TOKEN_DTYPE)
             grown[: self._num_tokens] = self._tokens[: self._num_tokens]
