@@ -32,14 +32,17 @@ from mambakv.spec import KVCacheConfig
 
 
 class _LiveRequest:
-    """A request that holds blocks: the Request (its hashes publish Mamba states at retire)
-    and the most tokens any ``allocate`` covered (``retire`` may not go past it)."""
+    """A request that holds blocks: the Request (its hashes publish Mamba states at retire),
+    the most tokens any ``allocate`` covered (``retire`` may not go past it), and the tokens
+    its tables cover without a new block in any group (min of ``num_covered_tokens``; a decode
+    step below it skips the per-group counting)."""
 
-    __slots__ = ("request", "num_scheduled")
+    __slots__ = ("request", "num_scheduled", "num_covered")
 
     def __init__(self, request: Request, num_scheduled: int) -> None:
         self.request = request
         self.num_scheduled = num_scheduled
+        self.num_covered = 0
 
 
 class KVCacheCoordinator:
@@ -211,11 +214,13 @@ class KVCacheCoordinator:
         for m in self.lazy_managers:
             if not m.check_step(rid, num_tokens, num_computed, num_drafts):
                 return None
-        need = 0
-        for m, hit in zip(managers, hits):
-            need += m.get_num_blocks_to_allocate(rid, num_tokens, hit, num_computed, num_lookahead_tokens)
-        if need > self.block_pool.free_block_queue.num_free_blocks:
-            return None
+        # Most decode steps fit the tables as they are: then no group needs counting.
+        if live is None or num_tokens + num_lookahead_tokens > live.num_covered or self.lazy_managers:
+            need = 0
+            for m, hit in zip(managers, hits):
+                need += m.get_num_blocks_to_allocate(rid, num_tokens, hit, num_computed, num_lookahead_tokens)
+            if need > self.block_pool.free_block_queue.num_free_blocks:
+                return None
         new_blocks = []
         any_new = False
         if hits is not self._no_hits:
@@ -238,9 +243,11 @@ class KVCacheCoordinator:
         for m in self.lazy_managers:  # optional spares last: they may only use blocks nobody counted on
             m.plan_checkpoint_write(rid)
         if live is None:
-            self._live[rid] = _LiveRequest(request, num_tokens)
+            live = self._live[rid] = _LiveRequest(request, num_tokens)
         elif live.num_scheduled < num_tokens:
             live.num_scheduled = num_tokens
+        if any_new or not live.num_covered:
+            live.num_covered = min(m.num_covered_tokens(rid) for m in managers)
         if self.enable_caching:
             num_real = num_tokens if num_drafts == 0 else request.num_tokens
             for m in self._publish_at_allocation:
@@ -405,4 +412,6 @@ class KVCacheCoordinator:
         assert pool.get_num_free_blocks() + len(holders) == pool.num_blocks - 1, "blocks leaked"
         for rid, live in self._live.items():
             assert live.request.request_id == rid and live.num_scheduled > 0, f"{rid}: bad live entry"
+            assert self.lazy_managers or live.num_covered == min(m.num_covered_tokens(rid) for m in self.managers), \
+                f"{rid}: covered-token cache {live.num_covered} out of date"  # (unused with lazy groups)
             assert any(rid in m.req_to_blocks for m in self.managers), f"{rid}: request kept without blocks"

@@ -158,6 +158,12 @@ class SingleTypeKVCacheManager(ABC):
             return max(0, missing - len(new_computed_blocks)) + _num_evictable(new_computed_blocks)
         return missing if missing > 0 else 0
 
+    def num_covered_tokens(self, request_id: str) -> int:
+        """Tokens (lookahead included) the request's table covers without a new block:
+        ``get_num_blocks_to_allocate`` is 0 for any running step up to this many."""
+        st = self._reqs.get(request_id)
+        return 0 if st is None else len(st.blocks) * self.block_size
+
     def add_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]) -> None:
         """A new request's prefix hit: touch the hit blocks and start its table with them."""
         if not new_computed_blocks:

@@ -103,6 +103,14 @@ class MambaManager(SingleTypeKVCacheManager):
             return 1  # the running slot moves on: exactly one block is missing (see allocate)
         return 0
 
+    def num_covered_tokens(self, request_id: str) -> int:
+        """Tokens up to the running slot's boundary: beyond it the running state moves to a
+        new slot (one block); mode NONE never needs one once running."""
+        st = self._reqs.get(request_id)
+        if st is None or st.running_slot < 0:
+            return 0
+        return (st.running_slot + 1) * self.block_size if self._align else 1 << 62
+
     # ------------------------------------------------------------------ allocation
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_lookahead_tokens: int = 0, *,
                             num_draft_tokens: int = 0) -> list[KVCacheBlock]:
