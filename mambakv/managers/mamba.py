@@ -159,7 +159,8 @@ class MambaManager(SingleTypeKVCacheManager):
             new = self.block_pool.get_new_blocks(1 + S)
         elif running > st.running_slot:
             source = st.running_slot
-            self._pad_to_running_slot(blocks, running)
+            if len(blocks) < running:  # a jump past the scratch blocks (rare): pad first
+                self._pad_to_running_slot(blocks, running)
             self._relocate_scratch_blocks(blocks, source, running)
             new = self.block_pool.get_new_blocks(running + 1 + S - len(blocks))
             assert len(new) == 1
