@@ -134,8 +134,12 @@ class FreeBlockQueue:
         self._tail.prev_free_block = block
         self.num_free_blocks += 1
 
-    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+    def append_n(self, blocks: Iterable[KVCacheBlock], *, checked: bool = True) -> None:
         """Put `blocks` at the tail, in order (the last one is reused last).
+
+        `checked=False` skips the per-block check below; only for a caller that guarantees
+        distinct blocks none of which is queued (BlockPool.free_blocks: every block had ref
+        count >= 1, and it refuses duplicates).
 
         Raises:
             DoubleFreeError: a block is already queued, or listed twice (a queued block has a
@@ -143,6 +147,13 @@ class FreeBlockQueue:
         """
         start = last = self._tail.prev_free_block
         n = 0
+        if not checked:
+            for block in blocks:
+                last.next_free_block = block  # type: ignore[union-attr]
+                block.prev_free_block = last
+                last = block
+                n += 1
+            blocks = ()
         for block in blocks:
             if block.prev_free_block is not None:
                 self._unlink_run(start, self._tail)
@@ -155,8 +166,9 @@ class FreeBlockQueue:
         self._tail.prev_free_block = last
         self.num_free_blocks += n
 
-    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+    def prepend_n(self, blocks: Sequence[KVCacheBlock], *, checked: bool = True) -> None:
         """Put `blocks` at the head, keeping their order: ``blocks[0]`` is reused first.
+        `checked=False`: as for ``append_n``.
 
         Raises:
             DoubleFreeError: a block is already queued, or listed twice; nothing changed.
@@ -165,6 +177,15 @@ class FreeBlockQueue:
             return
         first = self._head.next_free_block
         prev = self._head
+        if not checked:
+            for block in blocks:
+                prev.next_free_block = block
+                block.prev_free_block = prev
+                prev = block
+            prev.next_free_block = first
+            first.prev_free_block = prev  # type: ignore[union-attr]
+            self.num_free_blocks += len(blocks)
+            return
         for block in blocks:
             if block.prev_free_block is not None:
                 self._unlink_run(self._head, first)  # type: ignore[arg-type]

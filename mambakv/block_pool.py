@@ -172,7 +172,10 @@ class BlockPool:
             DoubleFreeError: a block is at ref count 0, or appears in `blocks` more than once
                 (no block table holds a block twice); nothing changes.
         """
-        blocks = [b for b in blocks if not b.is_null]
+        if type(blocks) is not list:
+            blocks = list(blocks)
+        if self.null_block in blocks:  # a C-level identity scan; filter only when needed
+            blocks = [b for b in blocks if not b.is_null]
         if len(blocks) > 1 and len(set(blocks)) != len(blocks):  # identity hashing: one C pass
             self._raise_duplicate(blocks)
         unhashed: list[KVCacheBlock] = []
@@ -188,10 +191,12 @@ class BlockPool:
                     to_head(block)
                 else:
                     to_tail(block)
+        # Ref counts were >= 1 and the blocks distinct, so none is queued: skip the queue's
+        # own per-block check (it costs about 10% of a bulk free).
         if unhashed:
-            self.free_block_queue.prepend_n(unhashed)
+            self.free_block_queue.prepend_n(unhashed, checked=False)
         if hashed:
-            self.free_block_queue.append_n(hashed)
+            self.free_block_queue.append_n(hashed, checked=False)
 
     @staticmethod
     def _raise_duplicate(blocks: list[KVCacheBlock]) -> None:
