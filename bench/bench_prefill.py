@@ -10,6 +10,8 @@ Run: ``pytest bench/bench_prefill.py --benchmark-only``
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from common import PROMPT_480K, VOCAB, hybrid_prefill, manager_replay_480k, py_ref_ms, qwen3_next_config
@@ -56,3 +58,33 @@ def test_prefill_480k_hybrid(benchmark, prompt_480k, in_flight):
     benchmark.extra_info.update(steps=r["steps"], alloc_ms_median=sched[len(sched) // 2] * 1e3,
                                 us_per_step=sched[len(sched) // 2] / r["steps"] * 1e6,
                                 hash_ms_median=hashing[len(hashing) // 2] * 1e3, py_ref_ms=py_ref_ms())
+
+
+def test_retirement_is_amortised(benchmark):
+    """Per-step time at 480k context within 1.3x of that at 8k (issue 3): the replay's first
+    8 steps (up to ~57k tokens) against its last 8 (up to 480k), best of 200 replays each."""
+    from common import PROMPT_480K
+
+    from mambakv import BlockPool, MambaManager, MambaSpec
+
+    def replay_step_times():
+        spec = MambaSpec(3584, ((1, 1),), ("float32",), mode="align", num_speculative_blocks=5)
+        m = MambaManager(spec, BlockPool(1000))
+        chunk = 8192 // 3584 * 3584
+        times = []
+        for target in range(chunk, PROMPT_480K + 1, chunk):
+            computed = target - chunk
+            t0 = time.perf_counter()
+            m.remove_skipped_blocks("r", max(0, computed - 2 * chunk))
+            m.get_num_blocks_to_allocate("r", target, (), computed)
+            m.allocate_new_blocks("r", target)
+            m.take_copy_plan()
+            times.append(time.perf_counter() - t0)
+        m.free("r")
+        return times
+
+    runs = benchmark.pedantic(lambda: [replay_step_times() for _ in range(200)], rounds=1)
+    early = min(sum(t[2:10]) for t in runs) / 8  # skip the first steps (new request, no retire yet)
+    late = min(sum(t[-8:]) for t in runs) / 8
+    benchmark.extra_info.update(early_us=early * 1e6, late_us=late * 1e6, ratio=late / early)
+    assert late <= 1.3 * early, (early, late)
