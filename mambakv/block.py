@@ -134,37 +134,19 @@ class FreeBlockQueue:
         self._tail.prev_free_block = block
         self.num_free_blocks += 1
 
-    def append_n(self, blocks: Iterable[KVCacheBlock], *, checked: bool = True) -> None:
+    def append_n(self, blocks: Sequence[KVCacheBlock], *, checked: bool = True) -> None:
         """Put `blocks` at the tail, in order (the last one is reused last).
 
-        `checked=False` skips the per-block check below; only for a caller that guarantees
-        distinct blocks none of which is queued (BlockPool.free_blocks: every block had ref
-        count >= 1, and it refuses duplicates).
+        `checked=False` skips ``_check_insertable``; only for a caller that guarantees distinct
+        blocks none of which is queued (BlockPool.free_blocks: every block had ref count >= 1,
+        and it refuses duplicates).
 
         Raises:
-            DoubleFreeError: a block is already queued, or listed twice (a queued block has a
-                back link; a repeat is caught on its second visit); nothing changed.
+            DoubleFreeError: a block is already queued, or listed twice; nothing changed.
         """
-        start = last = self._tail.prev_free_block
-        n = 0
-        if not checked:
-            for block in blocks:
-                last.next_free_block = block  # type: ignore[union-attr]
-                block.prev_free_block = last
-                last = block
-                n += 1
-            blocks = ()
-        for block in blocks:
-            if block.prev_free_block is not None:
-                self._unlink_run(start, self._tail)
-                raise DoubleFreeError(f"block {block.block_id} is already in the free queue or listed twice")
-            last.next_free_block = block  # type: ignore[union-attr]
-            block.prev_free_block = last
-            last = block
-            n += 1
-        last.next_free_block = self._tail  # type: ignore[union-attr]
-        self._tail.prev_free_block = last
-        self.num_free_blocks += n
+        if checked:
+            blocks = self._check_insertable(blocks)
+        self._link_run(self._tail.prev_free_block, blocks, self._tail)  # type: ignore[arg-type]
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock], *, checked: bool = True) -> None:
         """Put `blocks` at the head, keeping their order: ``blocks[0]`` is reused first.
@@ -173,42 +155,31 @@ class FreeBlockQueue:
         Raises:
             DoubleFreeError: a block is already queued, or listed twice; nothing changed.
         """
-        if not blocks:
-            return
-        first = self._head.next_free_block
-        prev = self._head
-        if not checked:
-            for block in blocks:
-                prev.next_free_block = block
-                block.prev_free_block = prev
-                prev = block
-            prev.next_free_block = first
-            first.prev_free_block = prev  # type: ignore[union-attr]
-            self.num_free_blocks += len(blocks)
-            return
+        if checked:
+            blocks = self._check_insertable(blocks)
+        self._link_run(self._head, blocks, self._head.next_free_block)  # type: ignore[arg-type]
+
+    def _link_run(self, prev: KVCacheBlock, blocks: Sequence[KVCacheBlock], after: KVCacheBlock) -> None:
+        """Link `blocks`, in order, between the adjacent nodes `prev` and `after`."""
+        self.num_free_blocks += len(blocks)
         for block in blocks:
-            if block.prev_free_block is not None:
-                self._unlink_run(self._head, first)  # type: ignore[arg-type]
-                raise DoubleFreeError(f"block {block.block_id} is already in the free queue or listed twice")
             prev.next_free_block = block
             block.prev_free_block = prev
             prev = block
-        prev.next_free_block = first
-        first.prev_free_block = prev  # type: ignore[union-attr]
-        self.num_free_blocks += len(blocks)
+        prev.next_free_block = after
+        after.prev_free_block = prev
 
     @staticmethod
-    def _unlink_run(start: KVCacheBlock, after: KVCacheBlock) -> None:
-        """Undo a partial bulk insert: clear the links of the blocks linked after `start` (the
-        run ends at the last one linked, whose forward link is still None: it was not queued;
-        with nothing linked, `start` still points at `after`) and reconnect `start` to `after`
-        (whose back link was never changed)."""
-        block = start.next_free_block
-        while block is not None and block is not after:
-            nxt = block.next_free_block
-            block.prev_free_block = block.next_free_block = None
-            block = nxt
-        start.next_free_block = after
+    def _check_insertable(blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
+        """`blocks` as a list (iterables are accepted), after checking that none is queued (a queued block has a back
+        link) and none repeats (blocks hash by identity). Raises DoubleFreeError."""
+        blocks = list(blocks)
+        for block in blocks:
+            if block.prev_free_block is not None:
+                raise DoubleFreeError(f"block {block.block_id} is already in the free queue")
+        if len(set(blocks)) != len(blocks):
+            raise DoubleFreeError("a block is listed twice")
+        return blocks
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """The free blocks from head to tail (O(n); for tests and invariant checks)."""
