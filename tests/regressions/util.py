@@ -5,39 +5,15 @@ from __future__ import annotations
 
 from mambakv import (
     BlockPool,
-    FullAttentionSpec,
-    KVCacheConfig,
     KVCacheCoordinator,
-    KVCacheGroupSpec,
-    MambaSpec,
     Request,
-    SlidingWindowSpec,
 )
+from tests.coord_helpers import coordinator, fa_spec, sw_spec, tokens  # noqa: F401 (re-exported)
+from tests.helpers import STATE_DTYPES, STATE_SHAPES, mamba_spec  # noqa: F401 (re-exported)
 
-STATE_SHAPES = ((3, 8), (2, 4, 4))
-STATE_DTYPES = ("bfloat16", "float32")
-
-
-def fa(block_size: int) -> FullAttentionSpec:
-    return FullAttentionSpec(block_size, 1, 8, "float16")
-
-
-def sw(block_size: int, window: int) -> SlidingWindowSpec:
-    return SlidingWindowSpec(block_size, 1, 8, "float16", sliding_window=window)
-
-
-def mamba(block_size: int, nspec: int = 0, mode: str = "align") -> MambaSpec:
-    return MambaSpec(block_size, STATE_SHAPES, STATE_DTYPES, mode=mode, num_speculative_blocks=nspec)
-
-
-def coordinator(num_blocks: int, *specs, max_model_len: int = 4096, **kw) -> KVCacheCoordinator:
-    """One group per spec, in order; `num_blocks` includes the null block 0."""
-    groups = [KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)]
-    return KVCacheCoordinator(KVCacheConfig(num_blocks, groups), max_model_len=max_model_len, **kw)
-
-
-def tokens(n: int, start: int = 1000) -> list[int]:
-    return list(range(start, start + n))
+# The suite's tiny specs and configs are the shared ones of tests/coord_helpers.py:
+# fa(bs), sw(bs, w), mamba(bs, nspec, mode), coordinator(num_blocks, *specs), tokens(n).
+fa, sw, mamba = fa_spec, sw_spec, mamba_spec
 
 
 def admit(coord: KVCacheCoordinator, req: Request, num_new: int | None = None):
