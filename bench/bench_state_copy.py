@@ -22,9 +22,9 @@ import time
 
 import torch
 
+from mambakv.core.spec import MambaSpec
+from mambakv.device.state_pool import MambaStatePool
 from mambakv.models import load_model
-from mambakv.spec import MambaSpec
-from mambakv.state_pool import MambaStatePool
 
 NUM_STATES = int(os.environ.get("MAMBAKV_BENCH_STATES", "64"))
 DEVICE = torch.device(os.environ.get("MAMBAKV_BENCH_DEVICE")

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from mambakv.block import FreeBlockQueue, KVCacheBlock
-from mambakv.block_pool import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored
 from mambakv.coordinator import KVCacheCoordinator
-from mambakv.errors import (
+from mambakv.core.block import FreeBlockQueue, KVCacheBlock
+from mambakv.core.block_pool import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored
+from mambakv.core.errors import (
     BlockNotFreeError,
     DoubleFreeError,
     HashBlockSizeMismatchError,
@@ -26,18 +26,9 @@ from mambakv.errors import (
     StaleCacheHitError,
     TraceFormatError,
 )
-from mambakv.hashing import hash_block_tokens, init_none_hash
-from mambakv.managers import (
-    FullAttentionManager,
-    LazyMambaManager,
-    MambaManager,
-    SingleTypeKVCacheManager,
-    SlidingWindowManager,
-    StatePlan,
-)
-from mambakv.prefix_hits import KVCacheBlocks, PrefixCacheStats
-from mambakv.request import Request
-from mambakv.spec import (
+from mambakv.core.hashing import hash_block_tokens, init_none_hash
+from mambakv.core.request import Request
+from mambakv.core.spec import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -46,10 +37,19 @@ from mambakv.spec import (
     MambaSpec,
     SlidingWindowSpec,
 )
+from mambakv.groups import (
+    FullAttentionManager,
+    LazyMambaManager,
+    MambaManager,
+    SingleTypeKVCacheManager,
+    SlidingWindowManager,
+    StatePlan,
+)
+from mambakv.hits import KVCacheBlocks, PrefixCacheStats
 
 __version__ = "0.1.0"
 
-_LAZY = {"MambaStatePool": "mambakv.state_pool"}
+_LAZY = {"MambaStatePool": "mambakv.device.state_pool"}
 
 
 def __getattr__(name: str) -> Any:

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from mambakv.errors import MambaKVError
+from mambakv.core.errors import MambaKVError
 
 MIB = 1 << 20
 

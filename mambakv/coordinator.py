@@ -16,19 +16,19 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from mambakv.block import KVCacheBlock
-from mambakv.block_pool import BlockPool
-from mambakv.errors import (
+from mambakv.core.block import KVCacheBlock
+from mambakv.core.block_pool import BlockPool
+from mambakv.core.errors import (
     HashBlockSizeMismatchError,
     InvalidDraftCountError,
     InvalidRequestError,
     InvalidTokenCountError,
     as_count,
 )
-from mambakv.managers import LazyMambaManager, MambaManager, SingleTypeKVCacheManager, StatePlan, make_manager
-from mambakv.prefix_hits import KVCacheBlocks, PrefixCacheStats, PrefixHitFinder
-from mambakv.request import Request
-from mambakv.spec import KVCacheConfig
+from mambakv.core.request import Request
+from mambakv.core.spec import KVCacheConfig
+from mambakv.groups import LazyMambaManager, MambaManager, SingleTypeKVCacheManager, StatePlan, make_manager
+from mambakv.hits import KVCacheBlocks, PrefixCacheStats, PrefixHitFinder
 
 
 class _LiveRequest:

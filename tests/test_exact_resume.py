@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mambakv import FullAttentionSpec, KVCacheConfig, KVCacheCoordinator, KVCacheGroupSpec, MambaSpec, MambaStatePool
-from mambakv.managers.base import group_block_hashes
+from mambakv.groups.base import group_block_hashes
 from tests.ref_layer import CONV_SHAPE, SSM_SHAPE, Engine, RefModel, V, reference, states_equal
 
 BS = 16          # Mamba block size (tokens between states)

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import xxhash
 
-import mambakv.hashing as hashing
+import mambakv.core.hashing as hashing
 from mambakv import InvalidTokenCountError, MambaKVError, hash_block_tokens, init_none_hash
-from mambakv.hashing import as_token_array, coarse_block_hashes, hash_blocks
-from mambakv.managers.base import BlockHashView
+from mambakv.core.hashing import as_token_array, coarse_block_hashes, hash_blocks
+from mambakv.groups.base import BlockHashView
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mambakv.errors import InvalidSpecError
-from mambakv.layout import HybridLayout, allocate_hybrid_layout
+from mambakv.core.errors import InvalidSpecError
+from mambakv.core.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+from mambakv.device.layout import HybridLayout, allocate_hybrid_layout
 from mambakv.models import build_kv_cache_config
-from mambakv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
 # Attention page: 2 (K, V) x 4 tokens x 2 heads x 8 dims x 2 B = 256 B per block per layer.
 ATTN = FullAttentionSpec(4, num_kv_heads=2, head_size=8, dtype="bfloat16")

@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from mambakv.errors import InvalidSpecError, ModelConfigError
+from mambakv.core.errors import InvalidSpecError, ModelConfigError
+from mambakv.core.spec import FullAttentionSpec, MambaCacheMode, MambaSpec
 from mambakv.models import (
     LayerKind,
     build_kv_cache_config,
@@ -22,7 +23,6 @@ from mambakv.models import (
     plan_pages,
 )
 from mambakv.models.registry import packaged_config
-from mambakv.spec import FullAttentionSpec, MambaCacheMode, MambaSpec
 
 MIB = 1 << 20
 PACKAGED = ["falcon-h1-7b", "granite-4.0-h-small", "jamba-v0.1", "mamba2-2.7b",

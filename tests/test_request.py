@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import mambakv.request as request_mod
+import mambakv.core.request as request_mod
 from mambakv import (
     HashBlockSizeMismatchError,
     InvalidRequestError,
@@ -19,7 +19,7 @@ from mambakv import (
     Request,
     hash_block_tokens,
 )
-from mambakv.managers.base import BlockHashView, group_block_hashes
+from mambakv.groups.base import BlockHashView, group_block_hashes
 
 
 def chain(tokens, bs: int, keys=None, parent=None) -> list[bytes]:

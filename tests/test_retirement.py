@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from mambakv import BlockPool, MambaManager
-from mambakv.managers import running_slot
+from mambakv.groups import running_slot
 from tests.helpers import held, mamba_manager, mamba_spec, pattern, replay_480k, retire_until_first_null
 
 

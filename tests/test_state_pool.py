@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mambakv.errors import InvalidCopyPlanError, InvalidSpecError, MambaKVError
-from mambakv.spec import MambaSpec
-from mambakv.state_pool import MambaStatePool, export_block_table, export_block_tables
+from mambakv.core.errors import InvalidCopyPlanError, InvalidSpecError, MambaKVError
+from mambakv.core.spec import MambaSpec
+from mambakv.device.state_pool import MambaStatePool, export_block_table, export_block_tables
 
 # A tiny GDN-like layer: conv (d_conv - 1 = 3, 8 channels) bf16 = 48 B, SSM (2, 4, 4) fp32 = 128 B.
 SPEC = MambaSpec(16, ((3, 8), (2, 4, 4)), ("bfloat16", "float32"))

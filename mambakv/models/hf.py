@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mambakv.errors import ModelConfigError
-from mambakv.spec import DTYPE_SIZES, dtype_name
+from mambakv.core.errors import ModelConfigError
+from mambakv.core.spec import DTYPE_SIZES, dtype_name
 
 __all__ = ["GatedDeltaNetDims", "HybridModel", "LayerKind", "Mamba1Dims", "Mamba2Dims",
            "parse_config", "read_config"]

@@ -1,4 +1,4 @@
-"""From a hybrid model to a :class:`~mambakv.spec.KVCacheConfig` with vLLM's exact layout.
+"""From a hybrid model to a :class:`~mambakv.core.spec.KVCacheConfig` with vLLM's exact layout.
 
 The rules (DESIGN.md 7), as named steps:
 
@@ -22,10 +22,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from mambakv.errors import InvalidSpecError
+from mambakv.core.errors import InvalidSpecError
+from mambakv.core.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, MambaCacheMode, MambaSpec
 from mambakv.models.hf import HybridModel
 from mambakv.models.registry import load_model
-from mambakv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, MambaCacheMode, MambaSpec
 
 __all__ = ["BLOCK_SIZE_MULTIPLE", "PagePlan", "build_kv_cache_config", "plan_pages",
            "round_robin_groups"]

@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from mambakv.errors import ModelConfigError
+from mambakv.core.errors import ModelConfigError
 from mambakv.models.hf import HybridModel, parse_config, read_config
 
 __all__ = ["CONFIG_DIR", "list_models", "load_model", "packaged_config"]

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mambakv.coordinator import KVCacheCoordinator
-from mambakv.managers import MambaManager
+from mambakv.groups import MambaManager
 
 __all__ = ["GroupMetrics", "SimMetrics", "group_kind", "group_usage"]
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from mambakv.errors import MambaKVError
-from mambakv.request import Request
+from mambakv.core.errors import MambaKVError
+from mambakv.core.request import Request
 from mambakv.sim.workloads import RequestSpec
 
 __all__ = ["BudgetTooSmallError", "ResultProcessor", "SimRequest"]

@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 
 from mambakv.coordinator import KVCacheCoordinator
+from mambakv.core.spec import KVCacheConfig, KVCacheGroupSpec, MambaSpec
 from mambakv.sim.results import SimRequest
 from mambakv.sim.runner import MAMBA_POLICIES
 from mambakv.sim.scheduler import Scheduler
 from mambakv.sim.workloads import DEFAULT_VOCAB, RequestSpec
-from mambakv.spec import KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
 __all__ = ["reuse_conversations", "run_reuse"]
 

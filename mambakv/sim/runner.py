@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from mambakv.coordinator import KVCacheCoordinator
-from mambakv.errors import InvalidSpecError, InvalidTokenCountError
+from mambakv.core.errors import InvalidSpecError, InvalidTokenCountError
+from mambakv.core.spec import KVCacheConfig
 from mambakv.models import build_kv_cache_config, load_model
 from mambakv.sim.metrics import SimMetrics
 from mambakv.sim.scheduler import Scheduler, SimRequest
 from mambakv.sim.workloads import RequestSpec, conversations, load_trace, long_prefill
-from mambakv.spec import KVCacheConfig
 
 __all__ = ["DEFAULT_MODEL", "GIB", "SimResult", "build_coordinator", "run_conversations", "run_replay",
            "run_trace", "run_workload"]

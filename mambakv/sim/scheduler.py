@@ -38,13 +38,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from mambakv.coordinator import KVCacheCoordinator
-from mambakv.errors import MambaKVError
-from mambakv.managers import MambaManager
-from mambakv.request import Request
+from mambakv.core.errors import MambaKVError
+from mambakv.core.request import Request
+from mambakv.core.spec import MambaCacheMode
+from mambakv.groups import MambaManager
 from mambakv.sim.metrics import SimMetrics
 from mambakv.sim.results import BudgetTooSmallError, ResultProcessor, SimRequest
 from mambakv.sim.workloads import RequestSpec
-from mambakv.spec import MambaCacheMode
 
 __all__ = ["BudgetTooSmallError", "SimRequest", "Scheduler"]
 

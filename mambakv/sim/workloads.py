@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mambakv.errors import TraceFormatError
+from mambakv.core.errors import TraceFormatError
 
 __all__ = ["DEFAULT_VOCAB", "TRACE_BLOCK_TOKENS", "RequestSpec", "conversations", "load_trace",
            "long_prefill", "trace_block_tokens"]

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from mambakv import KVCacheConfig, KVCacheCoordinator, KVCacheGroupSpec, MambaSpec, MambaStatePool
-from mambakv.managers.base import group_block_hashes
+from mambakv.groups.base import group_block_hashes
 from tests.lazy.lazy_engine import LazyEngine
 from tests.ref_layer import CONV_SHAPE, SSM_SHAPE, RefModel, V, reference, states_equal
 
@@ -140,7 +140,7 @@ def test_teeth_publishing_a_checkpoint_still_written_is_caught(monkeypatch):
     draft's state at 832 into C. The rule keeps C private (published: only 448); with the
     "may still write" check disabled, C is published under 768's key and then overwritten:
     the published-state check catches it."""
-    from mambakv.managers.lazy_state import LazyRequestBlocks
+    from mambakv.groups.lazy_state import LazyRequestBlocks
 
     for disabled in (False, True):
         engine = make_engine(K)

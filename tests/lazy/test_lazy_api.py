@@ -17,7 +17,7 @@ from mambakv import (
     Request,
 )
 from mambakv.cli import main
-from mambakv.managers import manager_class_for
+from mambakv.groups import manager_class_for
 from tests.coord_helpers import coordinator, snapshot, tokens
 from tests.helpers import mamba_spec
 

@@ -45,11 +45,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from mambakv.block import KVCacheBlock
-from mambakv.block_pool import BlockPool
-from mambakv.errors import InvalidDraftCountError, InvalidSpecError, InvalidTokenCountError, OutOfBlocksError
-from mambakv.managers.base import cdiv, group_block_hashes
-from mambakv.managers.lazy_state import (
+from mambakv.core.block import KVCacheBlock
+from mambakv.core.block_pool import BlockPool
+from mambakv.core.errors import InvalidDraftCountError, InvalidSpecError, InvalidTokenCountError, OutOfBlocksError
+from mambakv.core.request import Request
+from mambakv.core.spec import MambaCacheMode, MambaSpec
+from mambakv.groups.base import cdiv, group_block_hashes
+from mambakv.groups.lazy_state import (
     LazyRequestBlocks,
     LazyStep,
     ScratchRegion,
@@ -57,9 +59,7 @@ from mambakv.managers.lazy_state import (
     check_lazy_requests,
     state_plan,
 )
-from mambakv.managers.mamba import MambaManager
-from mambakv.request import Request
-from mambakv.spec import MambaCacheMode, MambaSpec
+from mambakv.groups.mamba import MambaManager
 
 
 class LazyMambaManager(MambaManager):

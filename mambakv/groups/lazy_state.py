@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
-from mambakv.block import KVCacheBlock
-from mambakv.block_pool import BlockPool
-from mambakv.errors import InvalidSpecError, OutOfBlocksError
-from mambakv.managers.mamba import MambaRequestBlocks
-from mambakv.request import Request
+from mambakv.core.block import KVCacheBlock
+from mambakv.core.block_pool import BlockPool
+from mambakv.core.errors import InvalidSpecError, OutOfBlocksError
+from mambakv.core.request import Request
+from mambakv.groups.mamba import MambaRequestBlocks
 
 
 class StatePlan(NamedTuple):

@@ -1,0 +1,205 @@
+"""Blocks and the free-block queue: the bottom layer, no dependencies.
+
+The free queue is an intrusive doubly linked list threaded through the blocks' own
+``prev_free_block`` / ``next_free_block`` fields, between two sentinel nodes, so that every
+operation is O(1) and branch-free: no ``deque.remove`` (O(n)), no allocation per operation.
+
+Queue position *is* the eviction order: the head is reused first (DESIGN.md section 3)::
+
+    head-sentinel <-> b5 <-> b4 <-> b6 <-> ... <-> b1 <-> tail-sentinel
+                      ^ popleft() takes this one            append() goes here ^
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from mambakv.core.errors import BlockNotFreeError, DoubleFreeError, OutOfBlocksError
+
+
+class KVCacheBlock:
+    """One block of cache memory.
+
+    Attributes:
+        block_id: index in the pool, ``0 .. num_blocks - 1``; block 0 is the null block.
+        ref_cnt: number of block tables holding the block; 0 means it is in the free queue.
+        block_hash: prefix-cache key (16-byte digest) while the block is published, else None.
+        cache_group_id: KV-cache group whose prefix-cache map holds ``block_hash`` (-1 if none).
+        is_null: True only for block 0.
+
+    Blocks compare and hash by identity (no field equality): a list ``remove`` or ``in``
+    never walks fields.
+    """
+
+    __slots__ = (
+        "block_id",
+        "ref_cnt",
+        "block_hash",
+        "cache_group_id",
+        "is_null",
+        "prev_free_block",
+        "next_free_block",
+    )
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+        self.cache_group_id = -1
+        self.is_null = False
+        self.prev_free_block: KVCacheBlock | None = None
+        self.next_free_block: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash is not None else None
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={h}{', null' if self.is_null else ''})"
+
+
+class FreeBlockQueue:
+    """Intrusive doubly linked list of free blocks with two sentinels.
+
+    Every operation is O(1) per block. The given blocks are queued in list order at
+    construction. ``num_free_blocks`` is the queue length.
+    """
+
+    __slots__ = ("num_free_blocks", "_head", "_tail")
+
+    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free_block = self._tail
+        self._tail.prev_free_block = self._head
+        self.num_free_blocks = 0
+        self.append_n(blocks)
+
+    def popleft(self) -> KVCacheBlock:
+        """Take the head block (the next one to reuse). Raises OutOfBlocksError if empty."""
+        block = self._head.next_free_block
+        if block is self._tail or block is None:
+            raise OutOfBlocksError("no free blocks")
+        nxt = block.next_free_block
+        self._head.next_free_block = nxt
+        nxt.prev_free_block = self._head  # type: ignore[union-attr]
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+        return block
+
+    def first(self) -> KVCacheBlock | None:
+        """The head block (the next one ``popleft`` takes), or None when empty; changes nothing."""
+        block = self._head.next_free_block
+        return None if block is self._tail or block is None else block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Take the first `n` blocks in queue order. Raises OutOfBlocksError (nothing taken)
+        if fewer than `n` are free."""
+        if n > self.num_free_blocks:
+            raise OutOfBlocksError(f"asked for {n} blocks, {self.num_free_blocks} free")
+        if n <= 0:
+            return []
+        out = [None] * n
+        block = self._head.next_free_block
+        for i in range(n):
+            out[i] = block
+            nxt = block.next_free_block  # type: ignore[union-attr]
+            block.prev_free_block = block.next_free_block = None  # type: ignore[union-attr]
+            block = nxt
+        self._head.next_free_block = block
+        block.prev_free_block = self._head  # type: ignore[union-attr]
+        self.num_free_blocks -= n
+        return out  # type: ignore[return-value]
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlink `block` from anywhere in the queue (revive a cached block).
+        Raises BlockNotFreeError if it is not in the queue."""
+        prev, nxt = block.prev_free_block, block.next_free_block
+        if prev is None or nxt is None:
+            raise BlockNotFreeError(f"block {block.block_id} is not in the free queue")
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Put `block` at the tail (reused last).
+
+        Raises:
+            DoubleFreeError: `block` is already in the queue (nothing changed).
+        """
+        if block.prev_free_block is not None:
+            raise DoubleFreeError(f"block {block.block_id} is already in the free queue")
+        last = self._tail.prev_free_block
+        last.next_free_block = block  # type: ignore[union-attr]
+        block.prev_free_block = last
+        block.next_free_block = self._tail
+        self._tail.prev_free_block = block
+        self.num_free_blocks += 1
+
+    def append_n(self, blocks: Sequence[KVCacheBlock], *, checked: bool = True) -> None:
+        """Put `blocks` at the tail, in order (the last one is reused last).
+
+        `checked=False` skips ``_check_insertable``; only for a caller that guarantees distinct
+        blocks none of which is queued (BlockPool.free_blocks: every block had ref count >= 1,
+        and it refuses duplicates).
+
+        Raises:
+            DoubleFreeError: a block is already queued, or listed twice; nothing changed.
+        """
+        if checked:
+            blocks = self._check_insertable(blocks)
+        self._link_run(self._tail.prev_free_block, blocks, self._tail)  # type: ignore[arg-type]
+
+    def prepend_n(self, blocks: Sequence[KVCacheBlock], *, checked: bool = True) -> None:
+        """Put `blocks` at the head, keeping their order: ``blocks[0]`` is reused first.
+        `checked=False`: as for ``append_n``.
+
+        Raises:
+            DoubleFreeError: a block is already queued, or listed twice; nothing changed.
+        """
+        if checked:
+            blocks = self._check_insertable(blocks)
+        self._link_run(self._head, blocks, self._head.next_free_block)  # type: ignore[arg-type]
+
+    def _link_run(self, prev: KVCacheBlock, blocks: Sequence[KVCacheBlock], after: KVCacheBlock) -> None:
+        """Link `blocks`, in order, between the adjacent nodes `prev` and `after`."""
+        self.num_free_blocks += len(blocks)
+        for block in blocks:
+            prev.next_free_block = block
+            block.prev_free_block = prev
+            prev = block
+        prev.next_free_block = after
+        after.prev_free_block = prev
+
+    @staticmethod
+    def _check_insertable(blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
+        """`blocks` as a list (iterables are accepted), after checking that none is queued (a queued block has a back
+        link) and none repeats (blocks hash by identity). Raises DoubleFreeError."""
+        blocks = list(blocks)
+        for block in blocks:
+            if block.prev_free_block is not None:
+                raise DoubleFreeError(f"block {block.block_id} is already in the free queue")
+        if len(set(blocks)) != len(blocks):
+            raise DoubleFreeError("a block is listed twice")
+        return blocks
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """The free blocks from head to tail (O(n); for tests and invariant checks)."""
+        out = []
+        block = self._head.next_free_block
+        while block is not self._tail and block is not None:
+            out.append(block)
+            block = block.next_free_block
+        return out
+
+    def check_invariants(self) -> None:
+        """Assert the links are consistent both ways and the count matches."""
+        seen = 0
+        prev = self._head
+        block = self._head.next_free_block
+        while block is not self._tail:
+            assert block is not None, "broken forward link"
+            assert block.prev_free_block is prev, f"broken back link at block {block.block_id}"
+            assert block.block_id >= 0, "sentinel inside the queue"
+            seen += 1
+            prev, block = block, block.next_free_block
+        assert self._tail.prev_free_block is prev, "tail back link"
+        assert seen == self.num_free_blocks, f"count {self.num_free_blocks} != linked {seen}"

@@ -1,0 +1,159 @@
+"""Hybrid memory layout: one pool of raw bytes shared by every KV-cache group (DESIGN.md 7).
+
+All groups of a :class:`~mambakv.core.spec.KVCacheConfig` have the same page size (bytes per block
+per layer) and at most ``group_size`` layers.  The layout allocates ``group_size`` raw uint8
+tensors of ``[num_blocks, page_size_bytes]``; raw tensor i is shared by the i-th layer of every
+group, each layer viewing it with its own shape.  Block b of any layer is row b of its raw
+tensor, so a block id costs ``group_size x page_size_bytes`` whichever group owns it::
+
+    raw[0]  row b: | group 0 layer 0 (attention KV of block b) |  <- when group 0 owns b
+                   | group 1 layer 0 (conv | SSM | pad)         |  <- when group 1 owns b
+    raw[1]  row b:   ... the 2nd layer of whichever group owns b ...
+
+Views:
+
+* attention layer (full or sliding window): ``[num_blocks, 2, block_size, num_kv_heads,
+  head_size]`` (block-major, K then V, so one block's KV is one contiguous row);
+* Mamba layer: one view per state ``[num_blocks, *shape]`` at consecutive byte offsets of the
+  row (conv, then SSM, then padding up to the attention page), reinterpreted to the state dtype.
+
+A group with fewer layers than ``group_size`` (vLLM's rule when layer counts differ by less than
+1.5x) uses raw tensors ``0 .. len(layers) - 1``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mambakv.core.errors import InvalidSpecError
+from mambakv.core.spec import DTYPE_SIZES, AttentionSpec, KVCacheConfig, MambaSpec
+from mambakv.device.state_pool import MambaStatePool, carve_state_views, default_device, torch_dtype
+
+__all__ = ["HybridLayout", "allocate_hybrid_layout", "check_uniform_page_size"]
+
+
+def check_uniform_page_size(config: KVCacheConfig) -> tuple[int, int]:
+    """``(group_size, page_size_bytes)`` of ``config``.
+
+    Raises:
+        InvalidSpecError: groups with different page sizes, a layer named twice, or a spec
+            that is neither attention nor Mamba.
+    """
+    pages = {g.kv_cache_spec.page_size_bytes for g in config.kv_cache_groups}
+    if len(pages) != 1:
+        raise InvalidSpecError(f"groups must share one page size for the hybrid layout, got "
+                               f"{sorted(pages)} bytes")
+    names = [n for g in config.kv_cache_groups for n in g.layer_names]
+    if len(set(names)) != len(names):
+        raise InvalidSpecError("a layer name appears in more than one group")
+    for g in config.kv_cache_groups:
+        if not isinstance(g.kv_cache_spec, (AttentionSpec, MambaSpec)):
+            raise InvalidSpecError(f"no layout for spec {type(g.kv_cache_spec).__name__}")
+    return max(len(g.layer_names) for g in config.kv_cache_groups), pages.pop()
+
+
+class HybridLayout:
+    """The raw tensors of a hybrid config and every layer's view into them.
+
+    Args:
+        kv_cache_config: groups with one common page size (see :func:`check_uniform_page_size`).
+        device: defaults to CUDA when present, else CPU.
+
+    Memory: ``group_size x num_blocks x page_size_bytes`` bytes, zero-filled (so the null
+    block's row reads as zero in every view).
+    """
+
+    def __init__(self, kv_cache_config: KVCacheConfig, device: Any = None) -> None:
+        self.config = kv_cache_config
+        self.group_size, self.page_size_bytes = check_uniform_page_size(kv_cache_config)
+        self.num_blocks = kv_cache_config.num_blocks
+        self.device = torch.device(device) if device is not None else default_device()
+        self.raw: tuple[torch.Tensor, ...] = tuple(
+            torch.zeros(self.num_blocks, self.page_size_bytes, dtype=torch.uint8,
+                        device=self.device)
+            for _ in range(self.group_size))
+        self._slot: dict[str, tuple[int, int]] = {
+            name: (gid, i)
+            for gid, g in enumerate(kv_cache_config.kv_cache_groups)
+            for i, name in enumerate(g.layer_names)}
+        self._views: dict[str, torch.Tensor | tuple[torch.Tensor, ...]] = {}
+        self._pools: dict[int, MambaStatePool] = {}
+        for name, (gid, i) in self._slot.items():
+            spec = kv_cache_config.kv_cache_groups[gid].kv_cache_spec
+            if isinstance(spec, MambaSpec):
+                self._views[name] = carve_state_views(self.raw[i], spec)
+            else:
+                assert isinstance(spec, AttentionSpec)
+                self._views[name] = self._kv_view(self.raw[i], spec)
+
+    def _kv_view(self, rows: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+        if self.page_size_bytes % DTYPE_SIZES[spec.dtype]:
+            raise InvalidSpecError(f"page {self.page_size_bytes} B is not a multiple of "
+                                   f"{spec.dtype}")
+        return rows.view(torch_dtype(spec.dtype)).view(
+            self.num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_size)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block id costs: ``group_size x page_size_bytes``."""
+        return self.group_size * self.page_size_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all raw tensors: ``num_blocks x bytes_per_block``."""
+        return self.num_blocks * self.bytes_per_block
+
+    def layer_slot(self, layer_name: str) -> tuple[int, int]:
+        """``(group id, index of the layer in its group = index of its raw tensor)``."""
+        try:
+            return self._slot[layer_name]
+        except KeyError:
+            raise InvalidSpecError(f"unknown layer {layer_name!r}") from None
+
+    def kv_cache(self, layer_name: str) -> torch.Tensor:
+        """KV view of an attention layer: ``[num_blocks, 2, block_size, num_kv_heads,
+        head_size]`` in the spec dtype; ``[:, 0]`` is K, ``[:, 1]`` is V."""
+        self.layer_slot(layer_name)  # raises on an unknown name
+        view = self._views[layer_name]
+        if not isinstance(view, torch.Tensor):
+            raise InvalidSpecError(f"{layer_name!r} is a Mamba layer; use mamba_states")
+        return view
+
+    def mamba_states(self, layer_name: str) -> tuple[torch.Tensor, ...]:
+        """State views of a Mamba layer: ``[num_blocks, *shape]`` per state (conv, SSM)."""
+        self.layer_slot(layer_name)  # raises on an unknown name
+        view = self._views[layer_name]
+        if isinstance(view, torch.Tensor):
+            raise InvalidSpecError(f"{layer_name!r} is an attention layer; use kv_cache")
+        return view
+
+    def state_pool(self, group_id: int) -> MambaStatePool:
+        """The :class:`MambaStatePool` of Mamba group ``group_id`` over this layout's memory
+        (built once; its copies move whole byte rows of the group's raw tensors)."""
+        if group_id not in self._pools:
+            groups = self.config.kv_cache_groups
+            if not 0 <= group_id < len(groups):
+                raise InvalidSpecError(f"no group {group_id}; config has {len(groups)}")
+            spec = groups[group_id].kv_cache_spec
+            if not isinstance(spec, MambaSpec):
+                raise InvalidSpecError(f"group {group_id} is not a Mamba group")
+            n = len(groups[group_id].layer_names)
+            self._pools[group_id] = MambaStatePool.from_raw(spec, self.raw[:n])
+        return self._pools[group_id]
+
+    def mamba_group_ids(self) -> list[int]:
+        """Ids of the Mamba groups, in config order."""
+        return [gid for gid, g in enumerate(self.config.kv_cache_groups)
+                if isinstance(g.kv_cache_spec, MambaSpec)]
+
+    def __repr__(self) -> str:
+        return (f"HybridLayout(groups={len(self.config.kv_cache_groups)}, "
+                f"group_size={self.group_size}, page={self.page_size_bytes} B, "
+                f"blocks={self.num_blocks}, device={self.device})")
+
+
+def allocate_hybrid_layout(kv_cache_config: KVCacheConfig, device: Any = None) -> HybridLayout:
+    """Allocate the raw tensors of ``kv_cache_config`` and every layer's view (see module doc)."""
+    return HybridLayout(kv_cache_config, device)

@@ -1,0 +1,323 @@
+"""Device tensors that hold Mamba states, and batched copies between them (DESIGN.md 7).
+
+One :class:`MambaStatePool` serves one Mamba KV-cache group.  Per layer it holds
+``len(spec.shapes)`` state tensors (state 0 = conv, state 1 = SSM, for the usual two), each of
+shape ``[num_blocks, *spec.shapes[i]]`` and dtype ``spec.dtypes[i]``.  Row = block id::
+
+    conv_state(layer)   [num_blocks, d_conv - 1, conv_dim]        row 0 = null, all zero
+    ssm_state(layer)    [num_blocks, heads, head_dim, d_state]    row b = the state in block b
+
+Memory layout: when the pool owns its memory (built alone) or is built over raw byte rows
+(:meth:`MambaStatePool.from_raw`, what :mod:`mambakv.device.layout` does), every layer has one uint8
+tensor ``[num_blocks, page_size_bytes]`` and its states are dtype views at consecutive byte
+offsets of each row, exactly vLLM's hybrid layout.  A state copy then moves one contiguous byte
+row per layer: two torch calls per layer, whatever the number of pairs.  Views given with
+``views=`` (arbitrary tensors) are copied state tensor by state tensor instead.
+
+Row 0 is the null block: it is never written (``copy_`` refuses it as a destination, ``zero_``
+refuses it) and exported to kernels as ``-1`` (:func:`export_block_table`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from numbers import Integral
+from typing import Any
+
+import torch
+
+from mambakv.core.errors import InvalidCopyPlanError, InvalidSpecError
+from mambakv.core.spec import DTYPE_SIZES, MambaSpec
+
+__all__ = ["MambaStatePool", "export_block_table", "export_block_tables", "torch_dtype"]
+
+
+def torch_dtype(dtype: Any) -> torch.dtype:
+    """The ``torch.dtype`` of a spec dtype name (``"bfloat16"`` -> ``torch.bfloat16``)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPE_SIZES:
+        raise InvalidSpecError(f"unknown dtype {dtype!r}; known: {sorted(DTYPE_SIZES)}")
+    return getattr(torch, dtype)
+
+
+def default_device() -> torch.device:
+    """CUDA when present, CPU otherwise."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def export_block_table(block_ids: Sequence[int], *, device: Any = None,
+                       dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """A block table as a 1-D tensor for kernels: the null block (0) becomes ``-1``.
+
+    ``[0, 0, 7, 9]`` -> ``tensor([-1, -1, 7, 9])``.  ``device`` defaults to CPU.
+    """
+    t = torch.tensor(list(block_ids), dtype=torch.int64)
+    t = torch.where(t == 0, torch.full_like(t, -1), t)
+    return t.to(device=device or "cpu", dtype=dtype)
+
+
+def export_block_tables(tables: Sequence[Sequence[int]], *, width: int | None = None,
+                        device: Any = None, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """Several block tables as a ``[len(tables), width]`` tensor, null and padding = ``-1``.
+
+    ``width`` defaults to the longest table; a longer table raises ``ValueError``.
+    """
+    width = max((len(t) for t in tables), default=0) if width is None else width
+    out = torch.full((len(tables), width), -1, dtype=torch.int64)
+    for r, table in enumerate(tables):  # one row per request, not per pair
+        if len(table) > width:
+            raise ValueError(f"table {r} has {len(table)} entries > width {width}")
+        if table:
+            out[r, : len(table)] = torch.tensor(list(table), dtype=torch.int64)
+    out = torch.where(out == 0, torch.full_like(out, -1), out)
+    return out.to(device=device or "cpu", dtype=dtype)
+
+
+def carve_state_views(rows: torch.Tensor, spec: MambaSpec) -> tuple[torch.Tensor, ...]:
+    """Dtype views of one layer's states over its byte rows ``rows`` (uint8 ``[N, >= page]``).
+
+    State i starts at byte ``sum(bytes of states < i)`` of every row.  Raises
+    :class:`InvalidSpecError` when a state's offset or the row stride is not a multiple of its
+    element size (the bytes could not be reinterpreted in place).
+    """
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.stride(1) != 1:
+        raise InvalidSpecError("raw rows must be a uint8 [num_blocks, bytes] tensor, rows dense")
+    if rows.shape[1] < spec.raw_page_size_bytes:
+        raise InvalidSpecError(f"row of {rows.shape[1]} B < state page {spec.raw_page_size_bytes} B")
+    views, offset = [], 0
+    for shape, name in zip(spec.shapes, spec.dtypes):
+        size = DTYPE_SIZES[name]
+        nbytes = math.prod(shape) * size
+        if offset % size or rows.stride(0) % size or rows.storage_offset() % size:
+            raise InvalidSpecError(f"state of dtype {name} at byte {offset} is misaligned")
+        flat = rows[:, offset : offset + nbytes].view(torch_dtype(name))
+        views.append(flat.view(rows.shape[0], *shape))
+        offset += nbytes
+    return tuple(views)
+
+
+def _wide_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[rows, k]`` of the widest integer type its row layout allows (int64 when row
+    bytes, row stride and offset are multiples of 8), else ``t`` itself.  Gather/scatter cost
+    per element, so a copy of 8-byte elements runs several times faster than one of bytes."""
+    try:
+        flat = t.view(t.shape[0], -1).view(torch.uint8)
+    except RuntimeError:
+        return t
+    for wide in (torch.int64, torch.int32, torch.int16):
+        try:
+            return flat.view(wide)
+        except RuntimeError:
+            continue
+    return flat
+
+
+class MambaStatePool:
+    """State tensors of ``num_layers`` layers of one Mamba group, ``num_blocks`` rows each.
+
+    Args:
+        kv_cache_spec: the group's :class:`MambaSpec` (shapes and dtypes of one layer).
+        num_layers: layers in the group (> 0).
+        num_blocks: rows, i.e. blocks of the shared pool including the null block 0 (>= 2).
+        device: defaults to CUDA when present, else CPU (or the device of ``views``).
+        views: optional ``views[layer][state]`` tensors of shape ``[num_blocks, *shape]`` (e.g.
+            views into shared raw memory); the pool then allocates nothing.
+
+    Raises:
+        InvalidSpecError: a non-positive count, or views of the wrong number, shape, dtype or
+            device.
+    """
+
+    def __init__(self, kv_cache_spec: MambaSpec, num_layers: int, num_blocks: int,
+                 device: Any = None, *, views: Sequence[Sequence[torch.Tensor]] | None = None
+                 ) -> None:
+        if not isinstance(kv_cache_spec, MambaSpec):
+            raise InvalidSpecError(f"kv_cache_spec must be a MambaSpec, got {kv_cache_spec!r}")
+        if num_layers <= 0 or num_blocks < 2:
+            raise InvalidSpecError(f"need num_layers > 0 and num_blocks >= 2, got "
+                                   f"{num_layers}, {num_blocks}")
+        self.kv_cache_spec = kv_cache_spec
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        # per layer: the state bytes of each row, as [N, k] wide ints (None: copy per state)
+        self._rows: list[torch.Tensor] | None = None
+        self._scratch: torch.Tensor | None = None
+        if views is None:
+            self.device = torch.device(device) if device is not None else default_device()
+            self._states = self._allocate()
+        else:
+            first = views[0][0] if views and views[0] else None
+            self.device = torch.device(device) if device is not None else (
+                first.device if first is not None else default_device())
+            self._states = [tuple(layer) for layer in views]
+        self._check_layout()
+
+    @classmethod
+    def from_raw(cls, kv_cache_spec: MambaSpec, raw: Sequence[torch.Tensor]) -> MambaStatePool:
+        """A pool over per-layer raw byte tensors ``raw[layer]`` (uint8 ``[num_blocks, >= page]``),
+        as laid out by :class:`mambakv.device.layout.HybridLayout`; copies move whole byte rows."""
+        if not raw:
+            raise InvalidSpecError("from_raw needs at least one raw tensor")
+        views = [carve_state_views(r, kv_cache_spec) for r in raw]
+        pool = cls(kv_cache_spec, len(raw), raw[0].shape[0], raw[0].device, views=views)
+        pool._rows = [_wide_rows(r[:, : kv_cache_spec.raw_page_size_bytes]) for r in raw]
+        return pool
+
+    def _allocate(self) -> list[tuple[torch.Tensor, ...]]:
+        spec, n = self.kv_cache_spec, self.num_blocks
+        try:  # the hybrid layout: one byte row per layer and block, states carved from it
+            rows = [torch.zeros(n, spec.page_size_bytes, dtype=torch.uint8, device=self.device)
+                    for _ in range(self.num_layers)]
+            states = [carve_state_views(r, spec) for r in rows]
+        except InvalidSpecError:  # misaligned dtypes: one plain tensor per state
+            return [tuple(torch.zeros(n, *s, dtype=torch_dtype(d), device=self.device)
+                          for s, d in zip(spec.shapes, spec.dtypes))
+                    for _ in range(self.num_layers)]
+        self._rows = [_wide_rows(r[:, : spec.raw_page_size_bytes]) for r in rows]
+        return states
+
+    def _check_layout(self) -> None:
+        spec = self.kv_cache_spec
+        if len(self._states) != self.num_layers:
+            raise InvalidSpecError(f"{len(self._states)} layers of views, expected {self.num_layers}")
+        for layer, states in enumerate(self._states):
+            if len(states) != len(spec.shapes):
+                raise InvalidSpecError(f"layer {layer}: {len(states)} states, expected "
+                                       f"{len(spec.shapes)}")
+            for i, (t, shape, name) in enumerate(zip(states, spec.shapes, spec.dtypes)):
+                if tuple(t.shape) != (self.num_blocks, *shape) or t.dtype != torch_dtype(name):
+                    raise InvalidSpecError(
+                        f"layer {layer} state {i}: {tuple(t.shape)} {t.dtype}, expected "
+                        f"{(self.num_blocks, *shape)} {name}")
+                if t.device.type != self.device.type:
+                    raise InvalidSpecError(f"layer {layer} state {i} on {t.device}, pool on "
+                                           f"{self.device}")
+
+    # ----------------------------------------------------------------- views for kernels
+    @property
+    def num_states(self) -> int:
+        """States per layer (2 for Mamba1/Mamba2/GDN: conv, SSM)."""
+        return len(self.kv_cache_spec.shapes)
+
+    def _layer(self, layer: int, i: int | None = None) -> tuple[torch.Tensor, ...]:
+        """The states of ``layer``; InvalidSpecError unless ``0 <= layer < num_layers`` and
+        ``0 <= i < num_states`` (ints; no negative indexing)."""
+        for what, v, n in (("layer", layer, self.num_layers), ("state", i, self.num_states)):
+            if v is not None and (isinstance(v, bool) or not hasattr(v, "__index__") or not 0 <= v < n):
+                raise InvalidSpecError(f"{what} index {v!r} out of range 0 .. {n - 1}")
+        return self._states[layer]
+
+    def state(self, layer: int, i: int) -> torch.Tensor:
+        """State ``i`` of ``layer``: ``[num_blocks, *spec.shapes[i]]``, row = block id.
+        Raises InvalidSpecError for an index out of range (as the accessors below)."""
+        return self._layer(layer, i)[i]
+
+    def conv_state(self, layer: int) -> torch.Tensor:
+        """Conv state (state 0) of ``layer``: ``[num_blocks, d_conv - 1, conv_dim]``."""
+        return self._layer(layer, 0)[0]
+
+    def ssm_state(self, layer: int) -> torch.Tensor:
+        """SSM state (state 1) of ``layer``, e.g. ``[num_blocks, heads, head_dim, d_state]``."""
+        return self._layer(layer, 1)[1]
+
+    def layer_states(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """All states of ``layer``, in spec order."""
+        return self._layer(layer)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block id holds in this group: ``num_layers x spec.page_size_bytes``
+        (the padded page when the spec is padded to the attention page)."""
+        return self.num_layers * self.kv_cache_spec.page_size_bytes
+
+    def block_table_tensor(self, tables: Sequence[Sequence[int]], *,
+                           width: int | None = None) -> torch.Tensor:
+        """:func:`export_block_tables` on this pool's device (null -> -1)."""
+        return export_block_tables(tables, width=width, device=self.device)
+
+    # ----------------------------------------------------------------- operations
+    def _index(self, ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def _check_ids(self, ids: Sequence[int], what: str) -> None:
+        if not all(isinstance(b, Integral) and not isinstance(b, bool) for b in ids):
+            raise InvalidCopyPlanError(f"{what}: block ids must be ints, got {list(ids)!r}")
+        if ids and (min(ids) < 0 or max(ids) >= self.num_blocks):
+            raise InvalidCopyPlanError(f"{what}: block id out of range [0, {self.num_blocks}): "
+                                       f"{sorted(ids)}")
+
+    def copy_(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy the state of block ``src`` into block ``dst`` for every pair, in every layer.
+
+        The pairs run as one gather/scatter (``dst_rows = src_rows``): a constant number of
+        torch calls per layer, none per pair.  Empty ``pairs`` is a no-op.  A pair ``(b, b)``
+        is allowed and does nothing.
+
+        Raises:
+            InvalidCopyPlanError (before anything is written): a non-int or out-of-range id, a
+                destination 0 (the null block), a destination listed twice, or a source that is
+                another pair's destination (a chain ``a -> b -> c`` must be composed by the
+                caller into ``a -> c``; DESIGN.md 5.1 says the library's plans never chain).
+        """
+        if not pairs:
+            return
+        try:
+            src, dst = (list(x) for x in zip(*pairs, strict=True))
+        except (TypeError, ValueError):
+            raise InvalidCopyPlanError(f"pairs must be (src, dst) tuples, got {pairs!r}") from None
+        if len(src) != len(pairs):
+            raise InvalidCopyPlanError(f"pairs must be (src, dst) tuples, got {pairs!r}")
+        self._check_ids(src + dst, "copy_")
+        dst_set = set(dst)
+        if 0 in dst_set:
+            raise InvalidCopyPlanError(f"copy_ would write the null block 0: {list(pairs)}")
+        if len(dst_set) != len(dst):
+            raise InvalidCopyPlanError(f"copy_ writes a block twice: {list(pairs)}")
+        if any(s != d and s in dst_set for s, d in zip(src, dst)):
+            raise InvalidCopyPlanError(f"copy_ reads a block another pair writes: {list(pairs)}")
+        src_t, dst_t = self._index(src), self._index(dst)
+        if self._rows is not None:
+            like = self._rows[0]
+            if self._scratch is None or self._scratch.shape[0] < len(src):
+                self._scratch = like.new_empty(len(src), like.shape[1])
+            buf = self._scratch[: len(src)]
+            for rows in self._rows:  # per layer: one gather into scratch, one scatter
+                torch.index_select(rows, 0, src_t, out=buf)
+                rows.index_copy_(0, dst_t, buf)
+            return
+        for states in self._states:
+            for t in states:
+                rows = _wide_rows(t)
+                rows.index_copy_(0, dst_t, rows.index_select(0, src_t))
+
+    def zero_(self, block_ids: Sequence[int]) -> None:
+        """Zero every state of the given blocks (duplicates allowed).
+
+        Raises:
+            InvalidCopyPlanError (before anything is written): a non-int or out-of-range id, or
+                the null block 0 (it is zero already and never written).
+        """
+        ids = list(block_ids)
+        if not ids:
+            return
+        self._check_ids(ids, "zero_")
+        if 0 in ids:
+            raise InvalidCopyPlanError("zero_ would write the null block 0")
+        idx = self._index(ids)
+        targets = self._rows if self._rows is not None else [t for s in self._states for t in s]
+        for t in targets:
+            t.index_fill_(0, idx, 0)
+
+    def check_invariants(self) -> None:
+        """Assert shapes, dtypes and devices match the spec and row 0 (null) is all zero."""
+        self._check_layout()
+        for layer, states in enumerate(self._states):
+            for i, t in enumerate(states):
+                assert int(torch.count_nonzero(t[0])) == 0, f"layer {layer} state {i}: row 0 written"
+
+    def __repr__(self) -> str:
+        return (f"MambaStatePool(layers={self.num_layers}, blocks={self.num_blocks}, "
+                f"shapes={self.kv_cache_spec.shapes}, dtypes={self.kv_cache_spec.dtypes}, "
+                f"device={self.device})")

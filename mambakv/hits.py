@@ -1,0 +1,178 @@
+"""Prefix hits across KV-cache groups (DESIGN.md section 6): the fixed point, the EAGLE
+back-off, the attention/Mamba junction, and the stale-hit check at allocation.
+
+In a hybrid model a hit must hold in every group. Each group can only shorten a candidate
+length, so groups are asked in turn until none shortens it::
+
+    full attention (block 4):  b0 b1 b2 b3 b4      -> 20 tokens
+    sliding window 8:          .  .  .  b3 b4      -> 20 tokens (covers the window)
+    Mamba align (block 4):     state at 16 only    -> 16 tokens
+    re-ask full attention at 16: b0..b3            -> 16: every group agrees, hit = 16
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from mambakv.core.block import KVCacheBlock
+from mambakv.core.block_pool import BlockPool
+from mambakv.core.errors import InvalidBlockError, MambaKVError, StaleCacheHitError
+from mambakv.core.request import Request
+from mambakv.groups import SingleTypeKVCacheManager
+from mambakv.groups.base import group_block_hashes
+
+
+@dataclass
+class KVCacheBlocks:
+    """Blocks per KV-cache group, in config order: ``blocks[g]`` is group g's list."""
+
+    blocks: tuple[list[KVCacheBlock], ...]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in group] for group in self.blocks)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups: requests looked up, tokens queried and tokens hit."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass
+class _LookupGroup:
+    """Groups that share one spec: one hit lookup serves all of them."""
+
+    manager_class: type[SingleTypeKVCacheManager]
+    group_ids: list[int]
+    spec: object = field(repr=False)
+
+
+class PrefixHitFinder:
+    """Finds the hits of a request in every group of one pool.
+
+    Args:
+        managers: one manager per group, config order.
+        block_pool: the pool they share.
+        alignment_tokens: hits end on a multiple of this (the LCM of the block sizes).
+    """
+
+    def __init__(self, managers: Sequence[SingleTypeKVCacheManager], block_pool: BlockPool,
+                 alignment_tokens: int) -> None:
+        self.managers = tuple(managers)
+        self.block_pool = block_pool
+        self.alignment_tokens = alignment_tokens
+        self._lookup_groups = self._make_lookup_groups()
+
+    def _make_lookup_groups(self) -> list[_LookupGroup]:
+        # Full attention first: its hit is a prefix, cheap, and usually the shortest.
+        out: list[_LookupGroup] = []
+        for gid, m in enumerate(self.managers):
+            for lg in out:
+                if lg.manager_class is type(m) and lg.spec == m.kv_cache_spec:
+                    lg.group_ids.append(gid)
+                    break
+            else:
+                out.append(_LookupGroup(type(m), [gid], m.kv_cache_spec))
+        out.sort(key=lambda lg: lg.manager_class.__name__ != "FullAttentionManager")
+        return out
+
+    def find(self, request: Request, *, use_eagle: bool = False) -> tuple[list[list[KVCacheBlock]], int]:
+        """Hit blocks per group and the hit length in tokens, capped at ``num_tokens - 1``:
+        the fixed point; with `use_eagle` (the drafter recomputes the last hit position), the
+        fixed point again from one aligned length below it (exactly once)."""
+        align = self.alignment_tokens
+        length = (request.num_tokens - 1) // align * align
+        hits, length = self._fixed_point(request, length)
+        if use_eagle and length > 0:
+            hits, length = self._fixed_point(request, length - align)
+        return hits, length
+
+    def _fixed_point(self, request: Request, length: int) -> tuple[list[list[KVCacheBlock]], int]:
+        """Query lookup groups round-robin until every one agrees on `length`."""
+        hits: list[list[KVCacheBlock]] = [[] for _ in self.managers]
+        groups = self._lookup_groups
+        n = len(groups)
+        agreed, i = 0, 0
+        while agreed < n and length > 0:
+            lg = groups[i % n]
+            bs = lg.spec.block_size  # type: ignore[attr-defined]
+            found = lg.manager_class.find_longest_cache_hit(
+                group_block_hashes(request, bs), length, lg.group_ids, self.block_pool, lg.spec,  # type: ignore[arg-type]
+                self.alignment_tokens)
+            for gid, blocks in zip(lg.group_ids, found):
+                hits[gid] = blocks
+            found_len = len(found[0]) * bs
+            agreed = 1 if found_len < length else agreed + 1
+            length = min(length, found_len)
+            i += 1
+        if length == 0:
+            return [[] for _ in self.managers], 0
+        return hits, length
+
+    def shared_prefix_length(self, request: Request) -> int:
+        """The longest aligned prefix (at most ``num_tokens - 1``) that the attention-type
+        groups cache, Mamba groups ignored; 0 without attention groups. Read-only."""
+        attention = [lg for lg in self._lookup_groups if lg.manager_class.publishes_at_allocation]
+        align = self.alignment_tokens
+        length = (request.num_tokens - 1) // align * align
+        if not attention or length <= 0:
+            return 0
+        for lg in attention:
+            bs = lg.spec.block_size  # type: ignore[attr-defined]
+            found = lg.manager_class.find_longest_cache_hit(
+                group_block_hashes(request, bs), length, lg.group_ids, self.block_pool, lg.spec,  # type: ignore[arg-type]
+                align)
+            length = min(length, len(found[0]) * bs // align * align)
+            if length == 0:
+                break
+        return length
+
+    def checked_hits(self, request: Request, new_computed_blocks: KVCacheBlocks,
+                     num_hit_tokens: int) -> Sequence[Sequence[KVCacheBlock]]:
+        """The hit lists, after checking that they are this pool's blocks, cover exactly
+        `num_hit_tokens` in every group, and that every hit block still carries the hash of
+        its slot in its group (it was not evicted and reused since the lookup).
+
+        Raises:
+            StaleCacheHitError: a hit block was evicted and reused since the lookup.
+            InvalidBlockError: a hit list's length does not match `num_hit_tokens` in some
+                group, or a block belongs to another pool.
+            MambaKVError: the hits have the wrong number of groups, or the request already
+                holds blocks (hits are for new requests).
+        """
+        hits = new_computed_blocks.blocks
+        if len(hits) != len(self.managers):
+            raise MambaKVError(f"new_computed_blocks has {len(hits)} groups, the config {len(self.managers)}")
+        if not num_hit_tokens and not any(hits):
+            return [()] * len(self.managers)
+        rid = request.request_id
+        pool_blocks = self.block_pool.blocks
+        for gid, (m, hit) in enumerate(zip(self.managers, hits)):
+            if len(hit) * m.block_size != num_hit_tokens:
+                raise InvalidBlockError(
+                    f"group {gid}: {len(hit)} hit blocks of {m.block_size} tokens do not cover the "
+                    f"{num_hit_tokens} computed tokens (pass get_computed_blocks' blocks and length together)")
+            if hit and m.req_to_blocks.get(rid):
+                raise MambaKVError(f"request {rid!r} already holds blocks; hits are for new requests")
+            keys = group_block_hashes(request, m.block_size) if hit else ()
+            for slot, block in enumerate(hit):
+                if not 0 <= block.block_id < len(pool_blocks) or pool_blocks[block.block_id] is not block:
+                    raise InvalidBlockError(f"hit block {block.block_id} is not a block of this pool")
+                if block.is_null:
+                    continue
+                if slot >= len(keys) or block.block_hash != keys[slot] or block.cache_group_id != gid:
+                    raise StaleCacheHitError(
+                        f"hit block {block.block_id} (group {gid}, slot {slot}) was evicted and reused "
+                        f"since get_computed_blocks; look the request up again")
+        return hits
