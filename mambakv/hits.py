@@ -21,19 +21,8 @@ from mambakv.core.errors import InvalidBlockError, MambaKVError, StaleCacheHitEr
 from mambakv.core.request import Request
 from mambakv.groups import SingleTypeKVCacheManager
 from mambakv.groups.base import group_block_hashes
-
-
-@dataclass
-class KVCacheBlocks:
-    """Blocks per KV-cache group, in config order: ``blocks[g]`` is group g's list."""
-
-    blocks: tuple[list[KVCacheBlock], ...]
-
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        return tuple([b.block_id for b in group] for group in self.blocks)
-
-    def __len__(self) -> int:
-        return len(self.blocks)
+from mambakv.groups.kinds import GroupKind
+from mambakv.plans import KVCacheBlocks
 
 
 @dataclass
@@ -84,7 +73,7 @@ class PrefixHitFinder:
                     break
             else:
                 out.append(_LookupGroup(type(m), [gid], m.kv_cache_spec))
-        out.sort(key=lambda lg: lg.manager_class.__name__ != "FullAttentionManager")
+        out.sort(key=lambda lg: lg.manager_class.kind is not GroupKind.FULL_ATTENTION)
         return out
 
     def find(self, request: Request, *, use_eagle: bool = False) -> tuple[list[list[KVCacheBlock]], int]:
@@ -123,7 +112,7 @@ class PrefixHitFinder:
     def shared_prefix_length(self, request: Request) -> int:
         """The longest aligned prefix (at most ``num_tokens - 1``) that the attention-type
         groups cache, Mamba groups ignored; 0 without attention groups. Read-only."""
-        attention = [lg for lg in self._lookup_groups if lg.manager_class.publishes_at_allocation]
+        attention = [lg for lg in self._lookup_groups if lg.manager_class.kind.is_attention]
         align = self.alignment_tokens
         length = (request.num_tokens - 1) // align * align
         if not attention or length <= 0:

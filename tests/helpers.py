@@ -44,15 +44,16 @@ def replay_480k(manager: MambaManager, *, in_flight: int, total: int = 480_031, 
     return peak
 
 
-def retire_until_first_null(manager, st, num_slots: int) -> list:
+def retire_until_first_null(manager, table, num_slots: int) -> None:
     """vLLM's retirement before its fix, for teeth tests: walk down from the highest skipped
     slot, stop at the first null, no watermark (DESIGN.md 5.1, the null-gap leak). A drop-in
-    for ``MambaManager._retire_below``."""
-    blocks, null, freed = st.blocks, manager.null_block, []
+    for the documented override point ``SingleTypeKVCacheManager.retire_slots``."""
+    blocks, null, freed = table.blocks, manager.null_block, []
     for i in range(min(num_slots, len(blocks)) - 1, -1, -1):
         if blocks[i] is null:
             break
         freed.append(blocks[i])
         blocks[i] = null
-        st.positions.pop(i, None)
-    return freed
+        table.positions.pop(i, None)
+    if freed:
+        manager.block_pool.free_blocks(freed)

@@ -15,7 +15,7 @@ from tests.helpers import held, mamba_manager, mamba_spec, pattern, replay_480k,
 class PreFixMambaManager(MambaManager):
     """vLLM before its fix, as DESIGN.md 5.1 describes it (test-only):
 
-    * ``_retire_below`` walks down from the highest skipped slot and stops at the first null
+    * ``retire_slots`` walks down from the highest skipped slot and stops at the first null
       (it assumes everything below a null was freed already); no watermark;
     * a separate "last-state retirement" at allocation time: when the table grows, the state
       from two allocations ago (the copy source of the previous growth) is freed if the last
@@ -33,10 +33,10 @@ class PreFixMambaManager(MambaManager):
         self.last_processed[request_id] = num_processed_tokens
         super().remove_skipped_blocks(request_id, num_processed_tokens)
 
-    _retire_below = retire_until_first_null
+    retire_slots = retire_until_first_null
 
     def allocate_new_blocks(self, request_id, num_tokens, num_lookahead_tokens=0, **kw):
-        st = self._reqs.get(request_id)
+        st = self.get_table(request_id)
         if st is not None and st.running_slot >= 0 and running_slot(num_tokens, self.block_size) > st.running_slot:
             old = self.prev_source.get(request_id)
             self.prev_source[request_id] = st.running_slot

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
 from mambakv.core.spec import KVCacheSpec, SlidingWindowSpec
-from mambakv.groups.base import SingleTypeKVCacheManager, cdiv
+from mambakv.groups.base import NEVER, BlockTable, SingleTypeKVCacheManager, cdiv
+from mambakv.groups.kinds import GroupKind
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
@@ -19,7 +20,13 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         cached?   y  y  y  n  y          hit = [b0, b1, b2]
     """
 
+    kind = GroupKind.FULL_ATTENTION
     retires = False
+
+    def next_event(self, table: BlockTable) -> int:
+        """The next block boundary past the published ones (``retire`` publishes blocks that
+        became full with the processed tokens); never for a table without caching."""
+        return (table.num_cached_blocks + 1) * self.block_size if self.enable_caching else NEVER
 
     @classmethod
     def _find_hit(cls, block_hashes: Sequence[bytes], max_length: int, kv_cache_group_ids: Sequence[int],
@@ -55,33 +62,57 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         window 4, block 2, 4 blocks cached, max 8 tokens:   [null, null, b2, b3] = 8 tokens
     """
 
-    def __init__(self, kv_cache_spec: SlidingWindowSpec, block_pool: BlockPool, **kwargs) -> None:
-        super().__init__(kv_cache_spec, block_pool, **kwargs)
+    kind = GroupKind.SLIDING_WINDOW
+
+    def __init__(self, kv_cache_spec: SlidingWindowSpec, block_pool: BlockPool, *, enable_caching: bool = True,
+                 kv_cache_group_id: int = 0) -> None:
+        super().__init__(kv_cache_spec, block_pool, enable_caching=enable_caching,
+                         kv_cache_group_id=kv_cache_group_id)
         self.sliding_window = kv_cache_spec.sliding_window
         self.num_kept_tokens = self.sliding_window - 1  # the next token attends to w - 1 earlier ones
 
+    def next_event(self, table: BlockTable) -> int:
+        """The earlier of the next retirement and the next publication."""
+        publish = (table.num_cached_blocks + 1) * self.block_size if self.enable_caching else NEVER
+        return min(super().next_event(table), publish)
 
     @classmethod
     def _find_hit(cls, block_hashes: Sequence[bytes], max_length: int, kv_cache_group_ids: Sequence[int],
                   block_pool: BlockPool, kv_cache_spec: KVCacheSpec,
                   alignment_tokens: int) -> tuple[list[KVCacheBlock], ...]:
+        """One right-to-left scan, each block looked up once (linear in the prompt).
+
+        A run of cached blocks with top ``T`` can only end a hit at its largest aligned end
+        ``e <= T``: a smaller aligned end needs blocks further down, which the run lacks once
+        it breaks. So the scan keeps that ``e`` per run and stops as soon as the run reaches
+        ``max(0, e - need)``::
+
+            cached?  y n y y y y     need 2, aligned every 2 blocks, T = 6, e = 6
+                         ^ run reaches 6 - 2 = 4: hit [null x 4, b4, b5]
+        """
         bs = kv_cache_spec.block_size
         need = cdiv(kv_cache_spec.sliding_window - 1, bs)  # type: ignore[attr-defined]
-        num_groups = len(kv_cache_group_ids)
-        lookups: dict[int, list[KVCacheBlock] | None] = {}
-
-        def cached(i: int) -> list[KVCacheBlock] | None:
-            if i not in lookups:
-                lookups[i] = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
-            return lookups[i]
-
+        step = alignment_tokens // bs  # alignment is a multiple of every block size
         null = block_pool.null_block
-        for end in range(min(max_length // bs, len(block_hashes)), 0, -1):
-            if (end * bs) % alignment_tokens:
+        get = block_pool.get_cached_block
+        top = min(max_length // bs, len(block_hashes))
+        if need == 0:  # window 1: the next token reads no earlier KV; every aligned end hits
+            end = top // step * step
+            return tuple([null] * end for _ in kv_cache_group_ids)
+        run: list[list[KVCacheBlock]] = []  # cached blocks of the current run: run[k] is block run_top - 1 - k
+        run_top = end = 0  # the run's top and its largest aligned end (0: none)
+        for i in range(top - 1, -1, -1):
+            cached = get(block_hashes[i], kv_cache_group_ids)
+            if cached is None:
+                run, end = [], 0
                 continue
+            if not run:
+                run_top = i + 1
+                end = run_top // step * step
+            run.append(cached)
             first = max(0, end - need)
-            run = [cached(i) for i in range(end - 1, first - 1, -1)]
-            if all(r is not None for r in run):
-                run.reverse()
-                return tuple([null] * first + [r[g] for r in run] for g in range(num_groups))  # type: ignore[index]
+            if end and i <= first:
+                cover = run[run_top - end : run_top - first]  # blocks end - 1 .. first
+                cover.reverse()
+                return tuple([null] * first + [c[g] for c in cover] for g in range(len(kv_cache_group_ids)))
         return tuple([] for _ in kv_cache_group_ids)

@@ -1,25 +1,40 @@
-"""SingleTypeKVCacheManager: the block tables of one KV-cache group.
+"""SingleTypeKVCacheManager: the block tables of one KV-cache group, and the group-policy contract.
 
 One manager per group; all managers share one BlockPool. A manager keeps, per request, one
-small slotted :class:`RequestBlocks` object (table, cached-block cursor, retirement
-watermark); ``free`` drops that object, so no per-request bookkeeping can be forgotten.
+small slotted :class:`BlockTable` (table, cached-block cursor, retirement watermark); ``free``
+drops that object, so no per-request bookkeeping can be forgotten. The coordinator's
+per-request state holds the same table objects (one per group), so its hot path never looks a
+request up twice.
 
-Call order for one request (the coordinator drives it)::
+Every step flows one way through a manager (the coordinator drives it)::
 
-    get_num_blocks_to_allocate -> add_computed_blocks (new request only, touches hits)
-        -> allocate_new_blocks -> cache_blocks -> ... remove_skipped_blocks ... -> free
+    check   (raises a typed error, nothing changed)      e.g. drafts > scratch blocks
+    count   get_num_blocks_to_allocate                    an upper bound, pure
+    commit  add_computed_blocks, allocate_new_blocks      take blocks, record the step
+    publish cache_blocks                                  full / settled blocks -> prefix cache
+    on processed: cache_blocks, remove_skipped_blocks     publish, then retire
+    free                                                  the table goes back to the pool
+
+``next_event(table)`` is the smallest processed-token count at which ``cache_blocks`` or
+``remove_skipped_blocks`` would change anything: below it ``retire`` is O(1).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
+from typing import ClassVar
 
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
-from mambakv.core.errors import HashBlockSizeMismatchError, InvalidTokenCountError
+from mambakv.core.errors import DoubleFreeError, HashBlockSizeMismatchError, InvalidRequestError, InvalidTokenCountError
 from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheSpec
+from mambakv.groups.kinds import GroupKind
+from mambakv.plans import TableView
+
+#: "never": a token count no request reaches (the quiet thresholds use it)
+NEVER = 1 << 62
 
 
 def cdiv(a: int, b: int) -> int:
@@ -27,10 +42,15 @@ def cdiv(a: int, b: int) -> int:
     return -(a // -b)
 
 
-class BlockHashView(Sequence):
+class BlockHashView(Sequence[bytes]):
     """Keys of a group's blocks from a request's finer hash blocks, without copying.
 
-    ``view[i]`` is the fine digest that ends block i (see hashing.coarse_block_hashes)."""
+    ``view[i]`` is the fine digest that ends block i: a chained digest covers its whole prefix,
+    so it keys the coarse block without re-hashing a token::
+
+        fine:   h0 h1 h2 h3 | h4 h5 h6 h7 | h8 ..      ratio 4
+        coarse:          h3 |          h7 |
+    """
 
     __slots__ = ("_fine", "_ratio")
 
@@ -41,7 +61,7 @@ class BlockHashView(Sequence):
     def __len__(self) -> int:
         return len(self._fine) // self._ratio
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i):  # type: ignore[no-untyped-def, override]
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         if i < 0:
@@ -69,8 +89,8 @@ def group_block_hashes(request: Request, block_size: int) -> Sequence[bytes]:
     return fine if hbs == block_size else BlockHashView(fine, block_size // hbs)
 
 
-class RequestBlocks:
-    """Per-request bookkeeping of one manager.
+class BlockTable:
+    """One request's table in one group.
 
     Attributes:
         blocks: the block table; entry i covers tokens ``[i*bs, (i+1)*bs)``.
@@ -87,23 +107,27 @@ class RequestBlocks:
         self.retired_below = 0
 
 
-class _TableView(Mapping):
+#: the 0.1 name of :class:`BlockTable`
+RequestBlocks = BlockTable
+
+
+class _TableView(Mapping[str, list[KVCacheBlock]]):
     """``req_to_blocks``: a read-only mapping request id -> block table, over the per-request
     objects (no second dict to keep in sync)."""
 
-    __slots__ = ("_reqs",)
+    __slots__ = ("_tables",)
 
-    def __init__(self, reqs: dict[str, RequestBlocks]) -> None:
-        self._reqs = reqs
+    def __init__(self, tables: dict[str, BlockTable]) -> None:
+        self._tables = tables
 
     def __getitem__(self, request_id: str) -> list[KVCacheBlock]:
-        return self._reqs[request_id].blocks
+        return self._tables[request_id].blocks
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._reqs)
+        return iter(self._tables)
 
     def __len__(self) -> int:
-        return len(self._reqs)
+        return len(self._tables)
 
 
 class SingleTypeKVCacheManager(ABC):
@@ -116,12 +140,17 @@ class SingleTypeKVCacheManager(ABC):
         kv_cache_group_id: the group's index (keys of the pool's prefix-cache map).
     """
 
+    #: the group kind (dispatch by enum, never by class name)
+    kind: ClassVar[GroupKind]
     #: True when full blocks are published at allocation (attention: KV is written before it
     #: is read). Mamba states are published by ``cache_blocks`` with *processed* tokens.
-    publishes_at_allocation = True
+    publishes_at_allocation: ClassVar[bool] = True
     #: False when nothing is ever retired (full attention): the coordinator skips the call.
-    retires = True
-    state_class: type[RequestBlocks] = RequestBlocks
+    retires: bool = True
+    table_class: ClassVar[type[BlockTable]] = BlockTable
+    #: Trailing processed tokens a request still needs (the rest are skipped): the window
+    #: minus one for sliding window, 1 for a Mamba state, all of them for full attention.
+    num_kept_tokens: int = NEVER
 
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, *, enable_caching: bool = True,
                  kv_cache_group_id: int = 0) -> None:
@@ -131,48 +160,79 @@ class SingleTypeKVCacheManager(ABC):
         self.enable_caching = enable_caching and block_pool.enable_caching
         self.kv_cache_group_id = kv_cache_group_id
         self.null_block = block_pool.null_block
-        self._reqs: dict[str, RequestBlocks] = {}
-        self.req_to_blocks: Mapping[str, list[KVCacheBlock]] = _TableView(self._reqs)
+        self._tables: dict[str, BlockTable] = {}
+        self.req_to_blocks: Mapping[str, list[KVCacheBlock]] = _TableView(self._tables)
 
-    def _state(self, request_id: str) -> RequestBlocks:
-        st = self._reqs.get(request_id)
-        if st is None:
-            st = self._reqs[request_id] = self.state_class()
-        return st
+    # ------------------------------------------------------------------ tables
+    def table(self, request_id: str) -> BlockTable:
+        """The request's table, created empty on first use (the coordinator keeps it)."""
+        t = self._tables.get(request_id)
+        if t is None:
+            t = self._tables[request_id] = self.table_class()
+        return t
+
+    def get_table(self, request_id: str) -> BlockTable | None:
+        """The request's table, or None (read-only use: do not mutate it)."""
+        return self._tables.get(request_id)
 
     @property
     def num_requests(self) -> int:
-        return len(self._reqs)
+        return len(self._tables)
 
-    # ------------------------------------------------------------------ allocation
+    def describe(self, request_id: str) -> TableView | None:
+        """A read-only snapshot of the request's table (None for an unknown request)."""
+        t = self._tables.get(request_id)
+        if t is None:
+            return None
+        return TableView(self.kv_cache_group_id, tuple(b.block_id for b in t.blocks), t.num_cached_blocks,
+                         t.retired_below)
+
+    def quiet_tokens(self, table: BlockTable) -> int:
+        """The most main tokens a step without drafts may reach with no effect on this group
+        but counting (no new block, no publication, nothing to record): a table that covers
+        ``len(blocks) x bs`` tokens publishes its next block once it is full, so one less."""
+        covered = len(table.blocks) * self.block_size
+        if not self.enable_caching:
+            return covered
+        return min(covered, (table.num_cached_blocks + 1) * self.block_size - 1)
+
+    # ------------------------------------------------------------------ count
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: Sequence[KVCacheBlock] = (),
                                    num_computed_tokens: int = 0, num_lookahead_tokens: int = 0) -> int:
         """Upper bound of the free blocks that ``add_computed_blocks(new_computed_blocks)`` +
         ``allocate_new_blocks(num_tokens, num_lookahead_tokens)`` will consume: new blocks plus
         hit blocks still in the free queue (touching one takes it out)."""
-        st = self._reqs.get(request_id)
-        held = len(st.blocks) if st is not None else 0
+        t = self._tables.get(request_id)
+        held = len(t.blocks) if t is not None else 0
         missing = -((num_tokens + num_lookahead_tokens) // -self.block_size) - held
         if new_computed_blocks:
-            return max(0, missing - len(new_computed_blocks)) + _num_evictable(new_computed_blocks)
+            return max(0, missing - len(new_computed_blocks)) + num_evictable(new_computed_blocks)
         return missing if missing > 0 else 0
 
     def num_covered_tokens(self, request_id: str) -> int:
         """Tokens (lookahead included) the request's table covers without a new block:
         ``get_num_blocks_to_allocate`` is 0 for any running step up to this many."""
-        st = self._reqs.get(request_id)
-        return 0 if st is None else len(st.blocks) * self.block_size
+        t = self._tables.get(request_id)
+        return 0 if t is None else len(t.blocks) * self.block_size
 
+    # ------------------------------------------------------------------ commit
     def add_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]) -> None:
-        """A new request's prefix hit: touch the hit blocks and start its table with them."""
+        """A new request's prefix hit: touch the hit blocks and start its table with them.
+
+        Raises:
+            InvalidRequestError: the request already holds blocks (hits are for new requests).
+            InvalidBlockError: a real block listed twice (from ``BlockPool.touch``).
+        """
         if not new_computed_blocks:
             return
-        st = self._state(request_id)
-        assert not st.blocks, f"hits added to running request {request_id!r}"
+        t = self._tables.get(request_id)
+        if t is not None and t.blocks:
+            raise InvalidRequestError(f"request {request_id!r} already holds blocks; hits are for new requests")
         self.block_pool.touch(new_computed_blocks)
-        st.blocks.extend(new_computed_blocks)
-        st.num_cached_blocks = len(st.blocks)
+        t = self.table(request_id)
+        t.blocks.extend(new_computed_blocks)
+        t.num_cached_blocks = len(t.blocks)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_lookahead_tokens: int = 0, *,
                             num_draft_tokens: int = 0) -> list[KVCacheBlock]:
@@ -180,25 +240,25 @@ class SingleTypeKVCacheManager(ABC):
         blocks (empty if it already does). Raises OutOfBlocksError (nothing changed) if the
         pool is short; the coordinator counts first so that never happens.
         `num_draft_tokens` (unverified drafts among the tokens) matters to Mamba groups only."""
-        st = self._reqs.get(request_id) or self._state(request_id)
-        n = -((num_tokens + num_lookahead_tokens) // -self.block_size) - len(st.blocks)
+        t = self._tables.get(request_id) or self.table(request_id)
+        n = -((num_tokens + num_lookahead_tokens) // -self.block_size) - len(t.blocks)
         if n <= 0:
             return []
         new = self.block_pool.get_new_blocks(n)
-        st.blocks.extend(new)
+        t.blocks.extend(new)
         return new
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Publish the request's blocks that are full within its first `num_tokens` tokens
         (which must be real tokens, never unverified drafts). Nulls are skipped."""
-        st = self._reqs.get(request.request_id)
-        if st is None or not self.enable_caching:
+        t = self._tables.get(request.request_id)
+        if t is None or not self.enable_caching:
             return
         num_full = num_tokens // self.block_size
-        start = st.num_cached_blocks
+        start = t.num_cached_blocks
         if num_full <= start:
             return  # the common decode step: no block became full
-        num_full = min(num_full, len(st.blocks))
+        num_full = min(num_full, len(t.blocks))
         keys = group_block_hashes(request, self.block_size)
         num_full = min(num_full, len(keys))
         if num_full <= start:
@@ -207,75 +267,88 @@ class SingleTypeKVCacheManager(ABC):
         token_ids = None
         if pool.enable_kv_cache_events:
             token_ids = request.all_token_ids[start * self.block_size : num_full * self.block_size].tolist()
-        pool.cache_full_blocks(st.blocks[start:num_full], keys[start:num_full], self.kv_cache_group_id,
+        pool.cache_full_blocks(t.blocks[start:num_full], keys[start:num_full], self.kv_cache_group_id,
                                parent_block_hash=keys[start - 1] if start else None,
                                token_ids=token_ids, block_size=self.block_size)
-        st.num_cached_blocks = num_full
+        t.num_cached_blocks = num_full
 
-    # ------------------------------------------------------------------ retirement
-    #: Trailing processed tokens a request still needs (the rest are skipped): the window
-    #: minus one for sliding window, 1 for a Mamba state, all of them for full attention.
-    num_kept_tokens: int = 1 << 62
-
-    def get_num_skipped_tokens(self, num_processed_tokens: int) -> int:
-        """Leading tokens whose blocks are no longer needed once `num_processed_tokens`
-        tokens are processed: ``max(0, n - num_kept_tokens)``."""
-        return max(0, num_processed_tokens - self.num_kept_tokens)
+    # ------------------------------------------------------------------ on processed
+    def next_event(self, table: BlockTable) -> int:
+        """Smallest processed-token count at which ``cache_blocks`` + ``remove_skipped_blocks``
+        would change `table` (publish or retire); ``NEVER`` when nothing ever will. Below it,
+        the coordinator's ``retire`` skips this group."""
+        if not self.retires:
+            return NEVER
+        # (n - kept) // bs > watermark  <=>  n >= (watermark + 1) * bs + kept
+        return (table.retired_below + 1) * self.block_size + self.num_kept_tokens
 
     def remove_skipped_blocks(self, request_id: str, num_processed_tokens: int) -> None:
         """Retire: replace blocks ``[0, skipped // block_size)`` with the null block and free
         them (deepest first). Idempotent; a request holding no blocks is a no-op.
 
-        Raises:
-            InvalidTokenCountError: `num_processed_tokens` is negative (nothing changed).
+        Raises (nothing changed):
+            InvalidTokenCountError: `num_processed_tokens` is negative.
+            DoubleFreeError: a retired block is already free (from ``BlockPool.free_blocks``).
         """
         if num_processed_tokens < 0:
             raise InvalidTokenCountError(f"num_processed_tokens must be >= 0, got {num_processed_tokens}")
-        st = self._reqs.get(request_id)
-        if st is None:
+        t = self._tables.get(request_id)
+        if t is None or not self.retires:
             return
-        num_slots = self._num_dead_slots(st, num_processed_tokens)
-        if num_slots <= st.retired_below:
-            return  # the common decode step: nothing new to retire
-        freed = self._retire_below(st, num_slots)
-        if freed:
-            self.block_pool.free_blocks(freed)
+        num_slots = self.num_dead_slots(t, num_processed_tokens)
+        if num_slots > t.retired_below:
+            self.retire_slots(t, num_slots)
 
-    def _num_dead_slots(self, st: RequestBlocks, num_processed_tokens: int) -> int:
+    def num_dead_slots(self, table: BlockTable, num_processed_tokens: int) -> int:
         """Leading table slots no longer needed once `num_processed_tokens` are processed:
-        ``get_num_skipped_tokens(n) // block_size`` (inlined: a negative result retires
-        nothing)."""
+        ``max(0, n - num_kept_tokens) // block_size`` (a negative result retires nothing)."""
         return (num_processed_tokens - self.num_kept_tokens) // self.block_size
 
-    def _retire_below(self, st: RequestBlocks, num_slots: int) -> list[KVCacheBlock]:
-        """Null out table entries ``[watermark, num_slots)``, skipping null gaps, and move the
-        watermark up. Returns the removed blocks, deepest first. Amortised O(new blocks):
-        no slot is scanned twice::
+    def retire_slots(self, table: BlockTable, num_slots: int) -> None:
+        """Retire slots ``[watermark, num_slots)``: free their real blocks deepest first,
+        skipping null gaps, then null the slots and move the watermark up. All or nothing (the
+        free is checked before it changes anything); amortised O(new blocks), no slot is
+        scanned twice::
 
             before  [old, null, committed, in_flight]   watermark 0, num_slots 3
-            after   [null, null, null,     in_flight]   watermark 3, returns [committed, old]
-        """
-        blocks = st.blocks
-        stop = min(num_slots, len(blocks))
-        low = st.retired_below
-        if stop <= low:
-            return []
-        null = self.null_block
-        freed = []
-        for i in range(stop - 1, low - 1, -1):
-            block = blocks[i]
-            if block is not null:
-                freed.append(block)
-                blocks[i] = null
-        st.retired_below = stop
-        return freed
+            frees   [committed, old]
+            after   [null, null, null, in_flight]       watermark 3
 
+        The documented override point of retirement: the fuzzer's teeth plant vLLM's pre-fix
+        walk (stop at the first null, no watermark) here."""
+        blocks, null = table.blocks, self.null_block
+        stop = min(num_slots, len(blocks))
+        low = table.retired_below
+        if stop <= low:
+            return
+        freed = [blocks[i] for i in range(stop - 1, low - 1, -1) if blocks[i] is not null]
+        if freed:
+            self.block_pool.free_blocks(freed)
+        for i in range(low, stop):
+            blocks[i] = null
+        table.retired_below = stop
+
+    # ------------------------------------------------------------------ free
     def free(self, request_id: str) -> None:
         """Drop the request: free its table tail-first (deepest blocks reach the eviction end
-        of the LRU first) and every piece of its bookkeeping. Unknown ids are a no-op."""
-        st = self._reqs.pop(request_id, None)
-        if st is not None:
-            self.block_pool.free_blocks(reversed(st.blocks))
+        of the LRU first) and every piece of its bookkeeping. Unknown ids are a no-op.
+
+        Raises:
+            DoubleFreeError: a block of the table is already free; nothing changed.
+        """
+        t = self._tables.get(request_id)
+        if t is not None:
+            self.block_pool.free_blocks(reversed(t.blocks))
+            del self._tables[request_id]
+
+    def check_free(self, request_id: str) -> None:
+        """Raise DoubleFreeError (nothing changed) if ``free(request_id)`` would fail: lets the
+        coordinator free every group or none."""
+        t = self._tables.get(request_id)
+        if t is not None:
+            for b in t.blocks:
+                if b.ref_cnt <= 0 and not b.is_null:
+                    raise DoubleFreeError(f"block {b.block_id} of request {request_id!r} is already free")
 
     # ------------------------------------------------------------------ prefix hits
     @classmethod
@@ -307,19 +380,22 @@ class SingleTypeKVCacheManager(ABC):
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
-        """Assert per-request bookkeeping: entries below the watermark are null, held blocks
-        have ref count >= 1, the cached cursor is within the table."""
+        """Assert per-request bookkeeping: the watermark within the table and every entry
+        below it null, held blocks at ref count >= 1, the cached cursor within the table."""
         null = self.null_block
-        for rid, st in self._reqs.items():
-            blocks = st.blocks
-            assert 0 <= st.retired_below <= max(len(blocks), st.retired_below)
-            for i in range(min(st.retired_below, len(blocks))):
+        for rid, t in self._tables.items():
+            blocks = t.blocks
+            assert 0 <= t.retired_below <= len(blocks), f"{rid}: watermark {t.retired_below} outside the table"
+            for i in range(t.retired_below):
                 assert blocks[i] is null, f"{rid}: slot {i} below watermark is not null"
             for b in blocks:
                 assert b is null or b.ref_cnt >= 1, f"{rid}: held block {b.block_id} at ref 0"
-            assert 0 <= st.num_cached_blocks <= len(blocks) or not blocks
+            assert 0 <= t.num_cached_blocks <= len(blocks), f"{rid}: cached cursor {t.num_cached_blocks} outside"
 
 
-def _num_evictable(blocks: Sequence[KVCacheBlock]) -> int:
+def num_evictable(blocks: Sequence[KVCacheBlock]) -> int:
     """Hit blocks that sit in the free queue (ref count 0): touching them uses free capacity."""
     return sum(1 for b in blocks if b.ref_cnt == 0 and not b.is_null)
+
+
+_num_evictable = num_evictable  # the 0.1 name

@@ -74,7 +74,7 @@ class LazyMambaManager(MambaManager):
             benchmark policy); default False, the issue's rule.
     """
 
-    state_class = LazyRequestBlocks
+    table_class = LazyRequestBlocks
 
     def __init__(self, kv_cache_spec: MambaSpec, block_pool: BlockPool, *, max_num_seqs: int = 256,
                  spare_may_evict: bool = False, **kwargs) -> None:
@@ -90,14 +90,14 @@ class LazyMambaManager(MambaManager):
         self.spare_may_evict = spare_may_evict
         self.scratch_region = ScratchRegion(block_pool, max_num_seqs, self.num_draft_slots)
         self._writes: list[tuple[str, int, int]] = []
-        self._reqs: dict[str, LazyRequestBlocks]  # type: ignore[assignment]
+        self._tables: dict[str, LazyRequestBlocks]  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ planning
     def _is_decode(self, st: LazyRequestBlocks | None, num_tokens: int, num_computed: int, drafts: int) -> bool:
         """A decode step has one real token (``num_tokens - computed - drafts <= 1``)."""
         return (st is not None and st.decode) or num_tokens - num_computed - drafts <= 1
 
-    def check_step(self, request_id: str, num_tokens: int, num_computed_tokens: int, num_draft_tokens: int) -> bool:
+    def check_lazy_step(self, request_id: str, num_tokens: int, num_computed_tokens: int, num_draft_tokens: int) -> bool:
         """Validate a step before anything changes. Returns False when the scratch region has
         no ``nspec`` idle rows for a request's first step with drafts (more than
         ``max_num_seqs`` such requests): ``allocate`` then returns None, like a full pool.
@@ -108,7 +108,7 @@ class LazyMambaManager(MambaManager):
             InvalidTokenCountError: so many steps in flight that one crossing window could
                 hold two boundaries (``(in flight + 1) x (nspec + 1) > block_size``).
         """
-        st = self._reqs.get(request_id)
+        st = self._tables.get(request_id)
         K = self.num_draft_slots
         if num_draft_tokens:
             if num_draft_tokens > K:
@@ -128,7 +128,7 @@ class LazyMambaManager(MambaManager):
         """0 in decode (W moves in the table, spares are optional); else eager align's count
         (no scratch), + 1 for C when the step may be the first decode step (an upper bound:
         drafts are not known here)."""
-        st = self._reqs.get(request_id)
+        st = self._tables.get(request_id)
         if st is not None and st.decode:
             return 0
         n = super().get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks, num_computed_tokens,
@@ -149,16 +149,16 @@ class LazyMambaManager(MambaManager):
         """
         if num_tokens <= 0 or num_draft_tokens < 0:
             raise InvalidTokenCountError(f"num_tokens must be > 0 and drafts >= 0, got {num_tokens}, {num_draft_tokens}")
-        st = self._reqs.get(request_id)
+        st = self._tables.get(request_id)
         computed = num_computed_tokens if num_computed_tokens is not None else (st.num_tokens if st else 0)
         if not self._is_decode(st, num_tokens, computed, num_draft_tokens):
             return super().allocate_new_blocks(request_id, num_tokens, num_lookahead_tokens)
-        if not self.check_step(request_id, num_tokens, computed, num_draft_tokens):
+        if not self.check_lazy_step(request_id, num_tokens, computed, num_draft_tokens):
             raise OutOfBlocksError(f"scratch region of group {self.kv_cache_group_id} exhausted")
         new: list[KVCacheBlock] = []
         if st is None or not st.decode:
             new = super().allocate_new_blocks(request_id, num_tokens, num_lookahead_tokens)
-            st = self._reqs[request_id]
+            st = self._tables[request_id]
             st.positions.pop(st.running_slot, None)  # W is rewritten in place: never published
             ckpt = self.block_pool.get_new_blocks(1)[0]
             st.blocks.append(ckpt)
@@ -198,7 +198,7 @@ class LazyMambaManager(MambaManager):
         """Window check for the request's latest planned step: inside the window, make sure a
         spare exists (never evicting unless ``spare_may_evict``) and record the step's write
         target (S, else C in place) and boundary for ``take_checkpoint_writes``."""
-        st = self._reqs.get(request_id)
+        st = self._tables.get(request_id)
         if st is None or not st.decode or not st.steps or not self.enable_caching:
             return
         step = st.steps[-1]
@@ -268,7 +268,7 @@ class LazyMambaManager(MambaManager):
         Raises:
             InvalidDraftCountError: `num_accepted` outside ``0 .. drafts`` (nothing changed).
         """
-        st = self._reqs.get(request_id)
+        st = self._tables.get(request_id)
         if st is None or not st.decode:
             return super().accept_drafts(request_id, num_accepted)
         step = next((s for s in st.steps if s.drafts), None)
@@ -286,7 +286,7 @@ class LazyMambaManager(MambaManager):
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Settle steps without drafts, then publish settled prefill states (eager rule)."""
-        st = self._reqs.get(request.request_id)
+        st = self._tables.get(request.request_id)
         if st is not None:
             st.request = request
             self._settle(st, num_tokens)
@@ -295,21 +295,19 @@ class LazyMambaManager(MambaManager):
     def remove_skipped_blocks(self, request_id: str, num_processed_tokens: int) -> None:
         if num_processed_tokens < 0:
             raise InvalidTokenCountError(f"num_processed_tokens must be >= 0, got {num_processed_tokens}")
-        st = self._reqs.get(request_id)
+        st = self._tables.get(request_id)
         if st is not None and st.steps:
             self._settle(st, num_processed_tokens)
         super().remove_skipped_blocks(request_id, num_processed_tokens)
         if st is not None and st.decode and st.pos > st.decode_start and st.retired_below < st.running_slot:
             # The first decode step ran, and with it its copy from the prefill's last state:
             # nothing below W is needed any more (settled prefill states were published first).
-            freed = self._retire_below(st, st.running_slot)
-            if freed:
-                self.block_pool.free_blocks(freed)
+            self.retire_slots(st, st.running_slot)
 
     def free(self, request_id: str) -> None:
         """Finish or preemption: publish C if it is safe (module docstring), give the scratch
         rows back, drop untaken checkpoint writes, then free the table (S and W unhashed)."""
-        st = self._reqs.get(request_id)
+        st = self._tables.get(request_id)
         if st is not None and st.decode:
             ckpt, req = st.ckpt, st.request
             if (self.enable_caching and st.ckpt_pos and req is not None and not st.wrote_ckpt
@@ -329,12 +327,12 @@ class LazyMambaManager(MambaManager):
     # ------------------------------------------------------------------ queries
     def get_state_plan(self, request_id: str) -> StatePlan | None:
         """Where the request's states live (see StatePlan); None for an unknown request."""
-        st = self._reqs.get(request_id)
+        st = self._tables.get(request_id)
         return None if st is None or st.running_slot < 0 else state_plan(st)
 
     def get_state_block_ids(self, request_id: str) -> list[int]:
         """Real states of the request: W and a valid C in decode (scratch and spare excluded)."""
-        st = self._reqs.get(request_id)
+        st = self._tables.get(request_id)
         if st is None or not st.decode:
             return super().get_state_block_ids(request_id)
         return [st.working.block_id] + ([st.ckpt.block_id] if st.ckpt_pos else [])  # type: ignore[union-attr]
@@ -348,4 +346,4 @@ class LazyMambaManager(MambaManager):
         """Base checks, plus ``lazy_state.check_lazy_requests`` (decode layout, targets,
         scratch region partition)."""
         super().check_invariants()
-        check_lazy_requests(self._reqs, self.block_size, self.scratch_region)
+        check_lazy_requests(self._tables, self.block_size, self.scratch_region)

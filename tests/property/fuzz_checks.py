@@ -25,8 +25,8 @@ def held_ids(reqs: dict[str, ShadowReq]) -> Counter:
 
 
 def live_requests(coord: KVCacheCoordinator) -> dict:
-    """The coordinator's per-request records (request id -> record)."""
-    return coord._live
+    """The coordinator's live requests, as public snapshots (request id -> RequestView)."""
+    return {rid: coord.describe(rid) for rid in coord.request_ids}
 
 
 def snapshot(coord: KVCacheCoordinator) -> tuple:
@@ -40,15 +40,10 @@ def snapshot(coord: KVCacheCoordinator) -> tuple:
         for gid, m in pool.cached_block_hash_to_block.items() for h, e in m.items()))
     mgrs = []
     for m in coord.managers:
-        reqs = {}
-        for rid, s in m._reqs.items():
-            reqs[rid] = (tuple(b.block_id for b in s.blocks), s.num_cached_blocks, s.retired_below,
-                         getattr(s, "running_slot", None), getattr(s, "num_tokens", None),
-                         dict(getattr(s, "positions", {})), tuple(getattr(s, "verify_steps", ())),
-                         tuple(getattr(s, "verified", ())))
-        plans = (tuple(getattr(m, "_copy_plan", ())), tuple(getattr(m, "_zero_plan", ())))
+        reqs = {rid: m.describe(rid) for rid in m.req_to_blocks}
+        plans = m.pending_plan() if isinstance(m, MambaManager) else ()
         mgrs.append((reqs, plans))
-    live = tuple(sorted((rid, getattr(r, "num_scheduled", None)) for rid, r in live_requests(coord).items()))
+    live = tuple(sorted((rid, r.num_scheduled) for rid, r in live_requests(coord).items()))
     return blocks, queue, cmap, mgrs, live, pool.get_num_free_blocks()
 
 
@@ -122,7 +117,7 @@ def check_requests(coord: KVCacheCoordinator, cfg: FuzzConfig, reqs: dict[str, S
         lib = coord.get_block_ids(rid)
         if not sr.running:
             assert not any(lib), f"BOOKKEEPING: {rid} not admitted but holds {lib}"
-            assert all(rid not in m._reqs for m in coord.managers), f"BOOKKEEPING: {rid} kept by a manager"
+            assert all(m.describe(rid) is None for m in coord.managers), f"BOOKKEEPING: {rid} kept by a manager"
             continue
         lag = max(0, sr.steps_in_flight() - 1)
         for g, kind in enumerate(cfg.kinds):
@@ -138,15 +133,16 @@ def check_requests(coord: KVCacheCoordinator, cfg: FuzzConfig, reqs: dict[str, S
     for g in cfg.mamba_gids:
         m = coord.managers[g]
         assert isinstance(m, MambaManager)
-        for rid, st in m._reqs.items():
+        for rid in m.req_to_blocks:
+            st = m.describe(rid)
             sr = reqs[rid]
             wm = st.retired_below
             assert wm >= sr.watermark.get(g, 0), f"WATERMARK: {rid} group {g} went down to {wm}"
             sr.watermark[g] = wm
-            assert all(b.is_null for b in st.blocks[:wm]), f"WATERMARK: {rid} group {g} real block below {wm}"
+            assert not any(st.block_ids[:wm]), f"WATERMARK: {rid} group {g} real block below {wm}"
             assert st.running_slot == sr.running_slot.get(g, -1), (
                 f"SHADOW TABLE: {rid} group {g} running slot {st.running_slot} vs {sr.running_slot.get(g)}")
-            for b in st.blocks[st.running_slot + 1:]:
+            for b in (pool.blocks[i] for i in st.block_ids[st.running_slot + 1:]):
                 assert b.ref_cnt == 1 and b.block_hash is None, f"SCRATCH: {rid} group {g} block {b.block_id}"
     if not running:
         assert pool.get_num_free_blocks() == pool.num_blocks - 1, "LEAK: no request left, not every block free"

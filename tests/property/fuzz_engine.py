@@ -279,7 +279,7 @@ class FuzzEngine:
         while len(sr.unsettled) > keep:
             p = sr.unsettled.popleft()
         old_tables = [list(t) for t in sr.tables]
-        positions = {g: dict(self.coord.managers[g]._reqs[sr.rid].positions) for g in self.cfg.mamba_gids}
+        positions = {g: dict(self.coord.managers[g].describe(sr.rid).positions) for g in self.cfg.mamba_gids}
         hashes = self._hashes()
         self.coord.retire(sr.rid, p)
         if again:
@@ -298,9 +298,13 @@ class FuzzEngine:
             if b.block_hash is None or (b.block_hash, b.cache_group_id) == hashes[b.block_id]:
                 continue
             g = b.cache_group_id
-            assert g in positions, f"PUBLISH: attention block {b.block_id} published at retire"
             slot = old_tables[g].index(b.block_id)
             end = (slot + 1) * self.cfg.block_sizes[g]
+            if g not in positions:  # attention: a block full within the processed real tokens
+                real = min(p, sr.request.num_tokens)
+                assert end <= real, f"PUBLISH: attention block at slot {slot} published at retire with {real} real"
+                self._publish(b.block_id, g, self._prefix(sr, end))
+                continue
             assert positions[g].get(slot) == end <= p, (
                 f"PUBLISH: state at slot {slot} tagged {positions[g].get(slot)} published with {p} processed")
             if self.cfg.content_checked:
@@ -313,12 +317,13 @@ class FuzzEngine:
     def _free(self, sr: ShadowReq) -> None:
         old = [set(t) - {0} for t in sr.tables]
         self.coord.free(sr.rid)
-        assert all(sr.rid not in m._reqs and sr.rid not in m.req_to_blocks for m in self.coord.managers), (
+        assert all(m.describe(sr.rid) is None and sr.rid not in m.req_to_blocks for m in self.coord.managers), (
             f"BOOKKEEPING: {sr.rid} kept by a manager after free")
         assert sr.rid not in live_requests(self.coord), f"BOOKKEEPING: {sr.rid} kept by the coordinator after free"
         for g in self.cfg.mamba_gids:
             m = self.coord.managers[g]
-            pending = [d for _, d in getattr(m, "_copy_plan", ())] + list(getattr(m, "_zero_plan", ()))
+            copies, zeros = m.pending_plan()
+            pending = [d for _, d in copies] + list(zeros)
             assert not set(pending) & old[g], f"STALE PLAN: {sr.rid} freed with copies/zeros {pending} pending"
         if sr.rid in self.batch:
             self.batch.remove(sr.rid)  # preempted before its step ran

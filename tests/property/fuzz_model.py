@@ -1,8 +1,8 @@
 """Plain-Python model for the stateful fuzzer: drawn configs, shadow requests, simulated device.
 
-Nothing here imports the library's internals beyond its public API and the per-request
-bookkeeping objects the brief names (``manager._reqs``); the expectations are derived from
-DESIGN.md, not from the code under test.
+Nothing here reads the library's internals: only its public API and read-only views
+(``describe``, ``pending_plan``); the expectations are derived from DESIGN.md, not from the
+code under test.
 
 * ``fuzz_configs()``: a hypothesis strategy for a coordinator config: 1-3 groups among full
   attention, sliding window and align-mode Mamba (one ``nspec`` in {0, 1, 3} for all Mamba

@@ -53,7 +53,7 @@ def _run_expecting(machine, pattern: str) -> None:
 
 
 def test_fuzzer_catches_stop_at_first_null_retirement(monkeypatch) -> None:
-    monkeypatch.setattr(MambaManager, "_retire_below", walk_stops_at_first_null)
+    monkeypatch.setattr(MambaManager, "retire_slots", walk_stops_at_first_null)
     _run_expecting(MambaFuzzMachine, r"^(LEAK|BOUND)")
 
 

@@ -40,9 +40,10 @@ def hybrid(num_blocks: int, nspec: int = 0, **kw):
 
 
 def mamba_tables(coord):
+    """(manager, request id, table view) of every live Mamba table (public snapshots)."""
     for m in coord.mamba_managers:
-        for rid, st_ in m._reqs.items():
-            yield m, rid, st_
+        for rid in m.req_to_blocks:
+            yield m, rid, m.describe(rid)
 
 
 # ---------------------------------------------------------------- test_duplicate_free
@@ -252,7 +253,7 @@ def test_scratch_blocks_stay_private(ops, nspec):
     for _ in eng.run(ops):
         scratch = set()
         for _m, rid, st_ in mamba_tables(coord):
-            tail = st_.blocks[st_.running_slot + 1 :]
+            tail = [coord.block_pool.blocks[i] for i in st_.block_ids[st_.running_slot + 1 :]]
             assert len(tail) == nspec
             assert all(b.ref_cnt == 1 and b.block_hash is None for b in tail)
             scratch |= {b.block_id for b in tail}
@@ -260,9 +261,9 @@ def test_scratch_blocks_stay_private(ops, nspec):
         for req in eng.reqs.values():
             blocks, _ = coord.get_computed_blocks(Request("probe", list(req.all_token_ids)))
             assert not scratch & set(blocks.get_block_ids()[1])
-    for rid in list(eng.reqs):  # fewer tokens than the table covers: a no-op
-        st_ = m._reqs[rid]
-        if st_.running_slot > 0:
+    for rid in list(eng.reqs):  # fewer tokens than the table covers: a no-op (AlignStep.COVERED)
+        st_ = m.describe(rid)
+        if st_ is not None and st_.running_slot > 0 and not st_.had_drafts:
             before = snapshot(coord)
             assert m.allocate_new_blocks(rid, st_.running_slot * 4) == []
             assert snapshot(coord) == before

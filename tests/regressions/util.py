@@ -47,15 +47,10 @@ def pool_snapshot(pool: BlockPool) -> tuple:
 
 
 def snapshot(coord: KVCacheCoordinator) -> tuple:
-    """The pool snapshot plus every group's tables and per-request bookkeeping."""
-    tables = []
-    for m in coord.managers:
-        per_req = {}
-        for rid, st in m._reqs.items():
-            extra = tuple((k, repr(getattr(st, k))) for k in getattr(type(st), "__slots__", ()))
-            per_req[rid] = ([b.block_id for b in st.blocks], st.num_cached_blocks, st.retired_below, extra)
-        tables.append(per_req)
-    return pool_snapshot(coord.block_pool), tables, sorted(coord.request_ids)
+    """The pool snapshot plus every group's tables and per-request bookkeeping (public views)."""
+    tables = [{rid: m.describe(rid) for rid in m.req_to_blocks} for m in coord.managers]
+    plans = [m.pending_plan() for m in coord.mamba_managers]
+    return pool_snapshot(coord.block_pool), tables, plans, sorted(coord.request_ids)
 
 
 class Engine:

@@ -1,0 +1,190 @@
+"""The read side of :class:`~mambakv.coordinator.KVCacheCoordinator`: prefix lookups, plan
+drains, read-only views and invariants. Nothing here allocates or frees a block."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mambakv.core.errors import InvalidRequestError
+from mambakv.core.request import Request
+from mambakv.groups import StatePlan
+from mambakv.plans import EMPTY_STEP_PLAN, GroupPlan, KVCacheBlocks, RequestView, StepPlan
+from mambakv.request_state import describe
+
+if TYPE_CHECKING:
+    from mambakv.coordinator import KVCacheCoordinator
+
+    _Base = KVCacheCoordinator
+else:
+    _Base = object
+
+
+class CoordinatorQueries(_Base):
+    """Mixed into KVCacheCoordinator (it holds the state these methods read)."""
+
+    # ------------------------------------------------------------------ prefix hits
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The longest prefix of `request` cached in every group, capped at
+        ``num_tokens - 1`` (the last token is recomputed for its logits).
+
+        Each group may only shorten the candidate length; groups are re-queried until none
+        shortens it (fixed point), lengths aligned to the LCM of the block sizes. With
+        ``use_eagle``, the fixed point is then recomputed once from the next aligned length
+        below it. The blocks are not pinned until ``allocate``.
+
+        Returns ``(blocks per group, hit tokens)``.
+
+        Raises:
+            InvalidRequestError: `request` is not a Request.
+            HashBlockSizeMismatchError: the request hashes with another block size.
+        """
+        if not isinstance(request, Request):
+            raise InvalidRequestError(f"get_computed_blocks needs a Request, got {type(request).__name__}")
+        request.set_hash_block_size(self.hash_block_size)
+        if not self.enable_caching:
+            return self._empty_blocks, 0
+        hits, length = self._hits.find(request, use_eagle=self.use_eagle)
+        stats = self.prefix_cache_stats
+        stats.requests += 1
+        stats.queries += request.num_tokens
+        stats.hits += length
+        return (KVCacheBlocks(tuple(hits)) if length else self._empty_blocks), length
+
+    def get_shared_prefix_length(self, request: Request) -> int:
+        """Tokens: the longest prefix of `request` (aligned like a hit, at most
+        ``num_tokens - 1``) that the attention-type groups cache, Mamba groups ignored.
+
+        Beyond the hit of ``get_computed_blocks`` it marks a prefix shared with an earlier
+        request whose Mamba state was never published there (states exist only at chunk
+        ends). A scheduler that ends a prefill chunk exactly here publishes that state, so
+        the next request sharing the prefix hits it (a Marconi-style junction; vLLM 0.33
+        stops chunks at the same place). 0 without caching or attention groups. Read-only:
+        pins nothing and counts no statistics.
+        """
+        request.set_hash_block_size(self.hash_block_size)
+        return self._hits.shared_prefix_length(request) if self.enable_caching else 0
+
+    # ------------------------------------------------------------------ plans
+    def take_step_plan(self) -> StepPlan:
+        """Every group's device work since the last drain, as one immutable :class:`StepPlan`
+        (new block ids, pre-forward copies, zero rows, checkpoint writes). Returns the shared
+        ``EMPTY_STEP_PLAN`` at once when nothing happened."""
+        writes = self.take_checkpoint_writes()
+        if not (self._new_pending or self._copies_pending or self._zeros_pending or writes):
+            return EMPTY_STEP_PLAN
+        copies = self.take_copy_plan()
+        zeros = self.take_zero_plan()
+        self._new_pending = False
+        out = []
+        for gid in range(len(self.managers)):
+            new, self._new_block_ids[gid] = self._new_block_ids[gid], []
+            plan = GroupPlan(gid, tuple(new), tuple(copies.get(gid, ())), tuple(zeros.get(gid, ())),
+                             tuple(writes.get(gid, ())))
+            if not plan.empty:
+                out.append(plan)
+        return StepPlan(tuple(out)) if out else EMPTY_STEP_PLAN
+
+    def take_copy_plan(self) -> dict[int, list[tuple[int, int]]]:
+        """Per Mamba group with copies: ``(src, dst)`` block ids to run before the forward."""
+        if not self._copies_pending:
+            return {}
+        self._copies_pending = False
+        return {m.kv_cache_group_id: p for m in self.mamba_managers if (p := m.take_copy_plan())}
+
+    def take_zero_plan(self) -> dict[int, list[int]]:
+        """Per Mamba group: running blocks that start with no initial state (zero them)."""
+        if not self._zeros_pending:
+            return {}
+        self._zeros_pending = False
+        return {m.kv_cache_group_id: p for m in self.mamba_managers if (p := m.take_zero_plan())}
+
+    def take_checkpoint_writes(self) -> dict[int, list[tuple[str, int, int]]]:
+        """Per lazy Mamba group: ``(request id, block id, position)`` for each step planned
+        since the last call inside a crossing window: its forward writes the state at
+        `position` into that block if the step computes that position (drafts included)."""
+        return {m.kv_cache_group_id: w for m in self.lazy_managers if (w := m.take_checkpoint_writes())}
+
+    def get_state_plan(self, request_id: str) -> dict[int, StatePlan]:
+        """Per lazy Mamba group holding the request: its working / checkpoint / spare /
+        scratch block ids and the latest step's write target (LazyMambaManager.get_state_plan)."""
+        out = {}
+        for m in self.lazy_managers:
+            plan = m.get_state_plan(request_id)
+            if plan is not None:
+                out[m.kv_cache_group_id] = plan
+        return out
+
+    # ------------------------------------------------------------------ queries
+    def new_step(self) -> None:
+        """Mark a scheduling step (statistics; hits never depend on it). The new block ids of
+        ``take_step_plan`` cover the blocks taken since the last ``new_step`` or drain."""
+        self.num_steps += 1
+        if self._new_pending:
+            self._new_pending = False
+            for ids in self._new_block_ids:
+                ids.clear()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash; False (nothing changed) while any block is in use. To reset
+        with requests running, call ``preempt_all()`` first."""
+        return self.block_pool.reset_prefix_cache()
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """Block ids of the request's table in every group (null entries are 0)."""
+        return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.managers)
+
+    def describe(self, request_id: str) -> RequestView | None:
+        """A read-only snapshot of a live request: its token counts and, per group, its table
+        (block ids, cursors, the Mamba running slot, unsettled states, pending verifies). None
+        for a request that holds no blocks."""
+        live = self._live.get(request_id)
+        return None if live is None else describe(live, self.managers)
+
+    @property
+    def num_running_requests(self) -> int:
+        """Requests that hold blocks (allocated and not freed)."""
+        return len(self._live)
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Ids of the requests that hold blocks, in allocation order."""
+        return list(self._live)
+
+    def check_invariants(self) -> None:
+        """Pool and per-manager invariants, plus: every held block's ref count equals the
+        number of tables holding it, and those tables are of one group; free + held ==
+        num_blocks - 1; each live request's tables are its managers' and its thresholds are
+        current."""
+        pool = self.block_pool
+        pool.check_invariants()
+        holders: dict[int, int] = {}
+        owner: dict[int, int] = {}
+        for gid, m in enumerate(self.managers):
+            m.check_invariants()
+            for blocks in m.req_to_blocks.values():
+                for b in blocks:
+                    if not b.is_null:
+                        holders[b.block_id] = holders.get(b.block_id, 0) + 1
+                        assert owner.setdefault(b.block_id, gid) == gid, f"block {b.block_id} in two groups"
+        for lazy in self.lazy_managers:  # the scratch regions: held for good, in no table
+            for b in lazy.reserved_blocks:
+                assert b.block_id not in holders, f"reserved block {b.block_id} in a table"
+                holders[b.block_id] = 1
+        assert pool.num_reserved_blocks == sum(len(m.reserved_blocks) for m in self.lazy_managers)
+        for bid, n in holders.items():
+            assert pool.blocks[bid].ref_cnt == n, f"block {bid}: ref {pool.blocks[bid].ref_cnt} != {n} tables"
+        assert pool.get_num_free_blocks() + len(holders) == pool.num_blocks - 1, "blocks leaked"
+        for rid, live in self._live.items():
+            assert live.request.request_id == rid and live.num_scheduled > 0, f"{rid}: bad live entry"
+            for m, t in zip(self.managers, live.tables):
+                assert m.get_table(rid) is t, f"{rid}: group {m.kv_cache_group_id} table is not the request state's"
+            assert live.num_covered == min(m.num_covered_tokens(rid) for m in self.managers), \
+                f"{rid}: covered-token cache {live.num_covered} out of date"
+            assert live.quiet_tokens <= min(m.quiet_tokens(t) for m, t in zip(self.managers, live.tables)), \
+                f"{rid}: quiet threshold {live.quiet_tokens} above a group's"
+            if live.retire_quiet:
+                assert live.retire_quiet <= min(m.next_event(t) for m, t in zip(self.managers, live.tables)), \
+                    f"{rid}: retire threshold {live.retire_quiet} above a group's next event"
+        for m in self.managers:
+            for rid in m.req_to_blocks:
+                assert rid in self._live, f"{rid}: table kept by group {m.kv_cache_group_id} without a request state"

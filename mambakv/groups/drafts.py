@@ -1,0 +1,169 @@
+"""Speculative decoding in a Mamba group: verify steps, ``accept_drafts``, and the retirement
+rule for states that drafts pushed above their slot (DESIGN.md 5.1, spec decode).
+
+A verify step schedules 1 real token + D drafts; the running block and the D scratch blocks
+after it receive the states after each position. Only ``accept_drafts(a)`` says which one is
+real::
+
+    slots  [.. R  S1 S2 S3]      step: 1 + 3 drafts, running slot R
+    a = 2: copy S2 -> R          the state after draft 2 becomes the running state
+    a = 0: no copy               R already holds the state after the real token
+
+Until ``accept_drafts`` the step's results are unknown, so a ``retire`` that claims tokens of
+that step processed raises :class:`~mambakv.core.errors.InvalidDraftCountError` (under async
+scheduling a derived draft count that counts placeholders as drafts fails here, loudly).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+from mambakv.core.errors import InvalidDraftCountError, InvalidTokenCountError, as_count
+from mambakv.groups.base import BlockTable, SingleTypeKVCacheManager
+
+if TYPE_CHECKING:
+    from mambakv.groups.mamba import AlignStep
+
+
+class MambaTable(BlockTable):
+    """Per-request state of a MambaManager.
+
+    Attributes:
+        running_slot: slot of the running state (-1 before the first allocation).
+        num_tokens: the ``num_tokens`` of the last allocation (its main tokens).
+        last_step: the :class:`~mambakv.groups.mamba.AlignStep` case of the last allocation.
+        had_drafts: a step with drafts was ever scheduled (rejected drafts may leave the
+            state below the running slot).
+        positions: slot -> the slot's boundary position, for blocks that will hold their
+            boundary state once the step that writes them has run; an entry leaves once that
+            position is processed and ``cache_blocks`` runs (the state is published then; a
+            slot retired meanwhile holds null and publishes nothing), when the block is
+            rewritten, or at ``free``.
+        verify_steps: ``(running slot, tokens, drafts)`` of steps with draft tokens whose
+            ``accept_drafts`` has not come yet, oldest first.
+        verified: ``(position, slot)`` of verified steps whose state sits above slot
+            ``(position - 1) // bs`` (drafts moved the running slot on), until processed.
+    """
+
+    __slots__ = ("running_slot", "num_tokens", "last_step", "had_drafts", "positions", "verify_steps", "verified")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running_slot = -1
+        self.num_tokens = 0
+        self.last_step: AlignStep | None = None
+        self.had_drafts = False
+        self.positions: dict[int, int] = {}
+        self.verify_steps: deque[tuple[int, int, int]] = deque()
+        self.verified: deque[tuple[int, int]] = deque()
+
+
+class DraftsMixin(SingleTypeKVCacheManager):
+    """The spec-decode half of :class:`~mambakv.groups.mamba.MambaManager`."""
+
+    _tables: dict[str, MambaTable]  # type: ignore[assignment]
+    _align: bool
+    num_speculative_blocks: int
+
+    def accept_drafts(self, request_id: str, num_accepted: int) -> list[tuple[int, int]]:
+        """After the verify of the request's oldest unverified step: the copy that moves the
+        state of the last accepted position into the running block.
+
+        Scratch block k (slot ``running + 1 + k``) holds the state after draft ``k + 1``; with
+        0 accepted the running block already holds the right state (no copy).
+
+        Raises (nothing changed):
+            InvalidDraftCountError: `num_accepted` outside ``0 .. drafts of that step``, or not
+                an int.
+        """
+        num_accepted = as_count(num_accepted, "num_accepted", error=InvalidDraftCountError)
+        t = self._tables.get(request_id)
+        if t is None or not t.verify_steps:
+            if num_accepted != 0:
+                raise InvalidDraftCountError(f"request {request_id!r} has no step with drafts to verify")
+            return []
+        slot, num_tokens, num_drafts = t.verify_steps[0]
+        if not 0 <= num_accepted <= num_drafts:
+            raise InvalidDraftCountError(f"accepted {num_accepted} of {num_drafts} drafts")
+        t.verify_steps.popleft()
+        position = num_tokens - num_drafts + num_accepted
+        if self._align and slot > (position - 1) // self.block_size:
+            t.verified.append((position, slot))  # see num_dead_slots
+        # Tag a boundary state only if no later step was planned into this block meanwhile
+        # (async scheduling): then the block keeps exactly this state.
+        latest = not t.verify_steps and t.running_slot == slot and t.num_tokens == num_tokens
+        if latest and self.enable_caching and position == (slot + 1) * self.block_size:
+            t.positions[slot] = position
+        if num_accepted == 0:
+            return []
+        src, dst = t.blocks[slot + num_accepted], t.blocks[slot]
+        return [(src.block_id, dst.block_id)]
+
+    def num_dead_slots(self, table: BlockTable, num_processed_tokens: int) -> int:
+        """Slots below ``(n - 1) // bs`` (only the last state matters), plus: the state of a
+        verified step lives in its running slot, which its drafts may have pushed past
+        ``(n - 1) // bs``; once that state is processed, every slot below it is dead too.
+        Block 2, nspec 3, after 1 computed token a step of 1 + 2 drafts runs at slot 1; with 0
+        accepted its state is at 2 tokens, so retiring to 2 frees slot 0 (the first rule frees
+        ``(2 - 1) // 2 = 0`` slots: the request would hold 6 blocks, not 2 + 3, after its next
+        step).
+
+        Raises (nothing changed):
+            InvalidDraftCountError: the tokens claim results of a step with drafts whose
+                ``accept_drafts`` has not come (pass ``allocate(num_draft_tokens=...)`` under
+                async scheduling: placeholders are not drafts).
+            InvalidTokenCountError: it would retire the running slot: processed tokens beyond
+                the running state's boundary were never scheduled.
+        """
+        t: MambaTable = table  # type: ignore[assignment]
+        num_slots, num_settled = self._dead_slots(t, num_processed_tokens)
+        for _ in range(num_settled):
+            t.verified.popleft()
+        return num_slots
+
+    def num_dead_slots_check(self, table: BlockTable, num_processed_tokens: int) -> None:
+        """Raise what ``remove_skipped_blocks`` would raise, changing nothing (the coordinator
+        checks every group before any publishes or retires)."""
+        self._dead_slots(table, num_processed_tokens)  # type: ignore[arg-type]
+
+    def _dead_slots(self, t: MambaTable, num_processed_tokens: int) -> tuple[int, int]:
+        """``(dead slots, verified entries settled)``; raises as ``num_dead_slots`` says."""
+        if t.verify_steps:
+            _, tokens, drafts = t.verify_steps[0]
+            if num_processed_tokens > tokens - drafts - 1:
+                raise InvalidDraftCountError(
+                    f"{num_processed_tokens} tokens processed, but the step to {tokens} tokens with {drafts} drafts "
+                    f"was not verified: call accept_drafts first (or pass num_draft_tokens=0 for a step without "
+                    f"drafts)")
+        if not self.retires:
+            return 0, 0
+        num_slots = (num_processed_tokens - self.num_kept_tokens) // self.block_size
+        num_settled = 0
+        for position, slot in t.verified:
+            if position > num_processed_tokens:
+                break
+            num_settled += 1
+            if slot > num_slots:
+                num_slots = slot
+        running = t.running_slot
+        if 0 <= running < num_slots:
+            raise InvalidTokenCountError(
+                f"retiring {num_slots} slots would free the running state at slot {running}: more tokens "
+                f"processed than were ever scheduled (at most {(running + 1) * self.block_size})")
+        return num_slots, num_settled
+
+    def remove_skipped_blocks(self, request_id: str, num_processed_tokens: int) -> None:
+        """Retire (see the base class), after the verify check of ``num_dead_slots``, which
+        runs in mode NONE too (nothing is retired there)."""
+        if num_processed_tokens < 0:
+            raise InvalidTokenCountError(f"num_processed_tokens must be >= 0, got {num_processed_tokens}")
+        t = self._tables.get(request_id)
+        if t is None:
+            return
+        if not self.retires:
+            self._dead_slots(t, num_processed_tokens)  # the verify check only
+            return
+        num_slots = self.num_dead_slots(t, num_processed_tokens)
+        if num_slots > t.retired_below:
+            self.retire_slots(t, num_slots)

@@ -1,0 +1,97 @@
+"""What the coordinator hands the engine: blocks per group, and the per-step plans of device work.
+
+All plan types are immutable named tuples. A step's plan is drained with
+``KVCacheCoordinator.take_step_plan()``; ``take_copy_plan()`` / ``take_zero_plan()`` /
+``take_checkpoint_writes()`` drain one part each, with the 0.1 shapes::
+
+    StepPlan.groups[g] = GroupPlan(group_id=g,
+        new_block_ids=(17, 18),            blocks the group's tables gained (allocation order)
+        copies=((4, 17),),                 (src, dst) state copies to run before the forward
+        zeros=(),                          running states with no initial state: zero them
+        checkpoint_writes=())              (request id, block id, position) boundary writes
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from mambakv.core.block import KVCacheBlock
+
+__all__ = ["EMPTY_STEP_PLAN", "GroupPlan", "KVCacheBlocks", "RequestView", "StepPlan", "TableView"]
+
+
+@dataclass
+class KVCacheBlocks:
+    """Blocks per KV-cache group, in config order: ``blocks[g]`` is group g's list."""
+
+    blocks: tuple[list[KVCacheBlock], ...]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in group] for group in self.blocks)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+
+class GroupPlan(NamedTuple):
+    """The device work of one group since the last drain (see the module docstring)."""
+
+    group_id: int
+    new_block_ids: tuple[int, ...] = ()
+    copies: tuple[tuple[int, int], ...] = ()
+    zeros: tuple[int, ...] = ()
+    checkpoint_writes: tuple[tuple[str, int, int], ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.new_block_ids or self.copies or self.zeros or self.checkpoint_writes)
+
+
+class StepPlan(NamedTuple):
+    """Every group's :class:`GroupPlan` (only the groups with work)."""
+
+    groups: tuple[GroupPlan, ...] = ()
+
+    def group(self, group_id: int) -> GroupPlan:
+        """The plan of `group_id` (an empty one when it has no work)."""
+        for g in self.groups:
+            if g.group_id == group_id:
+                return g
+        return GroupPlan(group_id)
+
+
+#: the one shared result when nothing happened since the last drain
+EMPTY_STEP_PLAN = StepPlan()
+
+
+class TableView(NamedTuple):
+    """A read-only snapshot of one request's table in one group (``describe``).
+
+    ``running_slot`` is -1 and the Mamba fields are empty for attention groups."""
+
+    group_id: int
+    block_ids: tuple[int, ...]
+    num_cached_blocks: int
+    retired_below: int
+    running_slot: int = -1
+    num_tokens: int = 0
+    positions: tuple[tuple[int, int], ...] = ()          # (slot, position) of unsettled states
+    verify_steps: tuple[tuple[int, int, int], ...] = ()  # (slot, tokens, drafts) awaiting accept_drafts
+    verified: tuple[tuple[int, int], ...] = ()           # (position, slot) of verified states above their slot
+    had_drafts: bool = False                             # a step with drafts was ever scheduled
+
+
+class RequestView(NamedTuple):
+    """A read-only snapshot of one live request (``KVCacheCoordinator.describe``).
+
+    Attributes:
+        request_id, num_tokens: the request's id and prompt + output tokens.
+        num_scheduled: the most tokens any ``allocate`` covered (``retire`` may not pass it).
+        tables: one :class:`TableView` per group, config order.
+    """
+
+    request_id: str
+    num_tokens: int
+    num_scheduled: int
+    tables: tuple[TableView, ...]

@@ -1,0 +1,82 @@
+"""The coordinator's one object per live request, and the checks of a request's computed tokens.
+
+``RequestState`` holds the engine's Request, one table per group (the very objects the group
+managers keep, so the hot path looks nothing up twice) and three thresholds that make a quiet
+step O(1)::
+
+    num_scheduled   the most tokens any allocate covered     retire may not pass it
+    num_covered     tokens every table covers (lookahead too) allocate below it takes no block
+    quiet_tokens    a step without drafts up to here changes  allocate: no per-group call
+                    nothing but counts (0: recompute)
+    retire_quiet    below this processed count no group       retire: no per-group call
+                    publishes, retires or raises (0: recompute)
+"""
+
+from __future__ import annotations
+
+from mambakv.core.errors import InvalidRequestError, InvalidTokenCountError
+from mambakv.core.request import Request
+from mambakv.groups.base import BlockTable, SingleTypeKVCacheManager
+from mambakv.plans import KVCacheBlocks, RequestView, TableView
+
+__all__ = ["RequestState", "check_computed", "describe"]
+
+
+class RequestState:
+    """A request that holds blocks (see the module docstring)."""
+
+    __slots__ = ("request", "tables", "num_scheduled", "num_covered", "quiet_tokens", "retire_quiet")
+
+    def __init__(self, request: Request, tables: tuple[BlockTable, ...], num_scheduled: int) -> None:
+        self.request = request
+        self.tables = tables
+        self.num_scheduled = num_scheduled
+        self.num_covered = 0
+        self.quiet_tokens = 0
+        self.retire_quiet = 0
+
+    def refresh(self, managers: tuple[SingleTypeKVCacheManager, ...]) -> None:
+        """Recompute the allocation thresholds from the tables (after a slow step)."""
+        rid = self.request.request_id
+        self.num_covered = min(m.num_covered_tokens(rid) for m in managers)
+        self.quiet_tokens = min(m.quiet_tokens(t) for m, t in zip(managers, self.tables))
+
+
+def check_computed(request: Request, live: RequestState | None, num_new_computed_tokens: int,
+                   new_computed_blocks: KVCacheBlocks | None) -> None:
+    """Computed tokens must be backed by blocks: a request that holds none starts from 0
+    (after a preemption the engine resets ``num_computed_tokens``) plus exactly its hit; a
+    running one cannot have computed more than was ever scheduled, and takes no hits.
+    Otherwise blocks that were never computed would be published to the prefix cache.
+
+    Raises:
+        InvalidTokenCountError: computed tokens without blocks or hits to back them.
+        InvalidRequestError: another live request has the same id.
+    """
+    if live is None:
+        if request.num_computed_tokens != 0:
+            raise InvalidTokenCountError(
+                f"request {request.request_id!r} holds no blocks but has num_computed_tokens="
+                f"{request.num_computed_tokens}; reset it to 0 after a preemption")
+        if num_new_computed_tokens and new_computed_blocks is None:
+            raise InvalidTokenCountError(
+                f"num_new_computed_tokens={num_new_computed_tokens} needs the hit blocks of get_computed_blocks")
+        return
+    if live.request is not request:
+        raise InvalidRequestError(f"another live request already has the id {request.request_id!r}")
+    if num_new_computed_tokens:
+        raise InvalidTokenCountError(f"request {request.request_id!r} is running: hits are for new requests")
+    if request.num_computed_tokens > live.num_scheduled:
+        raise InvalidTokenCountError(
+            f"request {request.request_id!r} has num_computed_tokens={request.num_computed_tokens} but only "
+            f"{live.num_scheduled} were ever scheduled")
+
+
+def describe(live: RequestState, managers: tuple[SingleTypeKVCacheManager, ...]) -> RequestView:
+    """The read-only snapshot of `live` (see ``KVCacheCoordinator.describe``)."""
+    rid = live.request.request_id
+    tables: list[TableView] = []
+    for gid, m in enumerate(managers):
+        view = m.describe(rid)
+        tables.append(view if view is not None else TableView(gid, (), 0, 0))
+    return RequestView(rid, live.request.num_tokens, live.num_scheduled, tuple(tables))
