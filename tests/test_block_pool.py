@@ -15,6 +15,7 @@ from mambakv import (
     BlockRemoved,
     BlockStored,
     DoubleFreeError,
+    InvalidBlockError,
     InvalidTokenCountError,
     MambaKVError,
     OutOfBlocksError,
@@ -347,11 +348,17 @@ def test_evict_blocks_held_and_free():
     assert pool.num_evictions == 2
 
 
-def test_cache_full_blocks_skips_already_hashed_and_disabled_caching():
+def test_cache_full_blocks_skips_same_hash_refuses_another_and_disabled_caching():
     pool = BlockPool(11)
-    (b,) = pool.get_new_blocks(1)
+    (b, c) = pool.get_new_blocks(2)
     pool.cache_full_blocks([b], [h(1)], 0)
-    pool.cache_full_blocks([b], [h(2)], 0)  # already published: unchanged
+    pool.cache_full_blocks([b], [h(1)], 0)  # already published under this hash (a hit): skipped
+    assert b.block_hash == h(1) and pool.get_cached_block(h(1), [0]) == [b]
+    before = (c.block_hash, dict(pool.cached_block_hash_to_block[0]))
+    for hashes, group in (([h(3), h(2)], 0), ([h(3), h(1)], 1)):  # another hash / another group for b
+        with pytest.raises(InvalidBlockError):
+            pool.cache_full_blocks([c, b], hashes, group)
+        assert (c.block_hash, dict(pool.cached_block_hash_to_block[0])) == before  # c was not published either
     assert b.block_hash == h(1) and pool.get_cached_block(h(2), [0]) is None
     pool.check_invariants()
 

@@ -7,7 +7,7 @@ import torch
 
 from mambakv.core.errors import InvalidSpecError
 from mambakv.core.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
-from mambakv.device.layout import HybridLayout, allocate_hybrid_layout
+from mambakv.device.layout import HybridLayout
 from mambakv.models import build_kv_cache_config
 
 # Attention page: 2 (K, V) x 4 tokens x 2 heads x 8 dims x 2 B = 256 B per block per layer.
@@ -26,7 +26,7 @@ def config() -> KVCacheConfig:
 
 
 def test_raw_tensors_and_views():
-    lay = allocate_hybrid_layout(config(), "cpu")
+    lay = HybridLayout(config(), "cpu")
     assert lay.group_size == 2 and lay.page_size_bytes == 256
     assert len(lay.raw) == 2 and all(r.shape == (NUM_BLOCKS, 256) for r in lay.raw)
     assert lay.bytes_per_block == 2 * 256  # a block id costs group_size x page

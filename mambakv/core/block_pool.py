@@ -225,12 +225,21 @@ class BlockPool:
     ) -> None:
         """Publish ``blocks[i]`` under ``block_hashes[i]`` in group `kv_cache_group_id`.
 
-        Null blocks and blocks that already carry a hash are skipped. Several blocks may share
-        a hash. `parent_block_hash`, `token_ids` (of all the blocks, flat) and `block_size` only
-        feed the BlockStored event.
+        Null blocks and blocks already published under the same hash and group (hits) are
+        skipped. Several blocks may share a hash. `parent_block_hash`, `token_ids` (of all the
+        blocks, flat) and `block_size` only feed the BlockStored event.
+
+        Raises:
+            InvalidBlockError: a block already carries a different hash or group (it holds
+                another prefix; publishing it again would key the map wrongly); nothing changed.
         """
         if not self.enable_caching:
             return
+        for block, block_hash in zip(blocks, block_hashes):
+            if block.block_hash is not None and (block.block_hash != block_hash
+                                                 or block.cache_group_id != kv_cache_group_id):
+                raise InvalidBlockError(f"block {block.block_id} is published under another hash or group; "
+                                        f"it cannot be published again")
         m = self.cached_block_hash_to_block.setdefault(kv_cache_group_id, {})
         stored = []
         for block, block_hash in zip(blocks, block_hashes):
@@ -322,8 +331,9 @@ class BlockPool:
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
         """Assert: queue links consistent; null block unqueued, unhashed, ref 0; a non-null
-        block is queued iff its ref count is 0; the map holds exactly the hashed blocks,
-        each under its own hash and group."""
+        block is queued iff its ref count is 0; the queue holds every unhashed free block
+        before every cached one; the map holds exactly the hashed blocks, each under its own
+        hash and group."""
         q = self.free_block_queue
         q.check_invariants()
         null = self.null_block
@@ -340,6 +350,13 @@ class BlockPool:
                 for b in group:
                     assert b.block_hash == h and b.cache_group_id == gid, f"block {b.block_id} mapped wrongly"
                     mapped += 1
+        seen_hashed: KVCacheBlock | None = None  # unhashed free blocks first (get_new_unhashed_block relies on it)
+        for b in q.get_all_free_blocks():
+            if b.block_hash is not None:
+                seen_hashed = seen_hashed or b
+            else:
+                assert seen_hashed is None, (f"free queue: unhashed block {b.block_id} behind cached block "
+                                             f"{seen_hashed.block_id}")
         hashed = 0
         for b in self.blocks[1:]:
             assert not b.is_null

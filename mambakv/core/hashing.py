@@ -4,7 +4,7 @@ xxh3-128 (the ``xxhash`` package), 16-byte digests. Equal hashes mean equal pref
 block's digest covers its parent's digest, so the last digest of a span identifies the whole
 prefix up to it. That is how a coarse block (e.g. 544 tokens) gets its key from fine hash
 blocks (16 tokens) without re-hashing any token: its key is the fine digest that ends it
-(see :func:`coarse_block_hashes`).
+(see ``mambakv.groups.base.BlockHashView``).
 
 Token ids are non-negative int32 (``0 .. 2**31 - 1``), hashed as little-endian int32 bytes.
 A request keeps its ids in one numpy buffer (converted once); each full block's slice is
@@ -136,17 +136,3 @@ def hash_blocks(tokens: np.ndarray, block_size: int, start_block: int, stop_bloc
             p = _digest(p + chunk + extra)
             append(p)
     return out
-
-
-def coarse_block_hashes(fine_hashes: Sequence[bytes], ratio: int, start: int = 0) -> list[bytes]:
-    """Keys of coarse blocks of ``ratio`` fine blocks each, from coarse block `start` on.
-
-    Coarse block i ends with fine block ``(i + 1) * ratio - 1``; that chained digest already
-    covers every token before it, so it is the coarse key (no token is hashed again)::
-
-        fine:   h0 h1 h2 h3 | h4 h5 h6 h7 | h8 ..      ratio 4
-        coarse:          h3 |          h7 |
-    """
-    if ratio == 1:
-        return list(fine_hashes[start:])
-    return list(fine_hashes[(start + 1) * ratio - 1 :: ratio])

@@ -31,7 +31,7 @@ from mambakv.core.errors import InvalidSpecError
 from mambakv.core.spec import DTYPE_SIZES, AttentionSpec, KVCacheConfig, MambaSpec
 from mambakv.device.state_pool import MambaStatePool, carve_state_views, default_device, torch_dtype
 
-__all__ = ["HybridLayout", "allocate_hybrid_layout", "check_uniform_page_size"]
+__all__ = ["HybridLayout", "check_uniform_page_size"]
 
 
 def check_uniform_page_size(config: KVCacheConfig) -> tuple[int, int]:
@@ -152,8 +152,3 @@ class HybridLayout:
         return (f"HybridLayout(groups={len(self.config.kv_cache_groups)}, "
                 f"group_size={self.group_size}, page={self.page_size_bytes} B, "
                 f"blocks={self.num_blocks}, device={self.device})")
-
-
-def allocate_hybrid_layout(kv_cache_config: KVCacheConfig, device: Any = None) -> HybridLayout:
-    """Allocate the raw tensors of ``kv_cache_config`` and every layer's view (see module doc)."""
-    return HybridLayout(kv_cache_config, device)

@@ -123,10 +123,6 @@ class ScratchRegion:
                 f"{block_pool.get_num_free_blocks()} free") from None
         self._idle = list(reversed(self.blocks))
 
-    @property
-    def num_idle(self) -> int:
-        return len(self._idle)
-
     def can_lend(self) -> bool:
         return len(self._idle) >= self.nspec
 
