@@ -42,6 +42,7 @@ from mambakv.core.errors import MambaKVError
 from mambakv.core.request import Request
 from mambakv.core.spec import MambaCacheMode
 from mambakv.groups import MambaManager
+from mambakv.plans import KVCacheBlocks
 from mambakv.sim.metrics import SimMetrics
 from mambakv.sim.results import BudgetTooSmallError, ResultProcessor, SimRequest
 from mambakv.sim.workloads import RequestSpec
@@ -102,9 +103,11 @@ class Scheduler(ResultProcessor):
         self.on_finish = on_finish
         self.check_invariants = check_invariants
         self.reserve_full_prompt = reserve_full_prompt
-        aligned = [m.block_size for m in coord.mamba_managers
-                   if m.mode in (MambaCacheMode.ALIGN, MambaCacheMode.ALIGN_LAZY)]
-        self.align = max(aligned) if aligned else 0
+        # Chunks end on multiples of the coordinator's hit alignment (the LCM of every group's
+        # block size): a chunk end that is a Mamba boundary but not a multiple of the attention
+        # block could never be a hit.
+        aligned = any(m.mode in (MambaCacheMode.ALIGN, MambaCacheMode.ALIGN_LAZY) for m in coord.mamba_managers)
+        self.align = coord.alignment_tokens if aligned else 0
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.in_flight: deque[list[tuple]] = deque()
@@ -171,19 +174,20 @@ class Scheduler(ResultProcessor):
         for sreq in list(self.running):
             if budget <= 0:
                 break
-            if sreq.awaiting_output or not sreq.is_running:
+            if not sreq.is_running or (sreq.awaiting_output and not self._may_schedule_ahead(sreq)):
                 continue
             req = sreq.request
             c, N = req.num_computed_tokens, req.num_tokens
             drafts = 0
-            if c == N - 1 and req.num_output_tokens > 0:
+            if c >= N - 1 and req.num_output_tokens > 0:
                 n = 1
-                drafts = min(self.K, budget - 1, coord.max_model_len - N)
-                n += drafts
+                if c == N - 1:  # the last token is known: propose drafts after it
+                    drafts = min(self.K, budget - 1, coord.max_model_len - N)
+                    n += drafts
             else:
                 n = self.prefill_chunk(c, N, budget, sreq.junction)
             while True:
-                new = self._timed_allocate(req, n)
+                new = self._timed_allocate(req, n, num_draft_tokens=drafts)
                 if new is not None:
                     break
                 victim = self.running[-1]
@@ -232,7 +236,7 @@ class Scheduler(ResultProcessor):
             t = _now()
             hits, hit = coord.get_computed_blocks(req)
             mt.library_s += _now() - t
-            if self.reserve_full_prompt and self.running and not self._fits(req, hits.blocks, hit):
+            if self.reserve_full_prompt and self.running and not self._fits(req, hits, hit):
                 break
             junction = 0
             if self.align:
@@ -240,7 +244,8 @@ class Scheduler(ResultProcessor):
                 junction = coord.get_shared_prefix_length(req)
                 mt.library_s += _now() - t
             n = self.prefill_chunk(hit, req.num_tokens, budget, junction)
-            new = self._timed_allocate(req, n, num_new_computed_tokens=hit, new_computed_blocks=hits)
+            new = self._timed_allocate(req, n, num_new_computed_tokens=hit, new_computed_blocks=hits,
+                                       num_draft_tokens=0)
             if new is None:
                 if not self.running:
                     raise BudgetTooSmallError(
@@ -263,15 +268,29 @@ class Scheduler(ResultProcessor):
             budget -= n
         return budget, grew
 
-    def _fits(self, req: Request, hits: Sequence, hit: int) -> bool:
-        """The pool can hold all of `req`'s known tokens (counted as ``allocate`` would)."""
+    def _fits(self, req: Request, hits: KVCacheBlocks, hit: int) -> bool:
+        """The pool can hold all of `req`'s known tokens (``num_blocks_needed``, the count
+        ``allocate`` makes)."""
         t = _now()
-        rid = req.request_id
-        need = sum(m.get_num_blocks_to_allocate(rid, req.num_tokens, h, hit)
-                   for m, h in zip(self.coord.managers, hits))
-        ok = need <= self.coord.block_pool.get_num_free_blocks()
+        coord = self.coord
+        need = coord.num_blocks_needed(req, req.num_tokens - hit, num_new_computed_tokens=hit, new_computed_blocks=hits)
+        ok = need <= coord.block_pool.get_num_free_blocks()
         self.metrics.library_s += _now() - t
         return ok
+
+    def _may_schedule_ahead(self, sreq: SimRequest) -> bool:
+        """Async scheduling without drafts (``lag > 0``, ``K == 0``): a decoding request whose
+        sampled tokens are not back yet schedules its next token on a placeholder, as engines
+        do, up to `lag` outstanding tokens and never past its output length or
+        ``max_model_len``. ``allocate`` gets ``num_draft_tokens=0``: placeholders are not
+        drafts."""
+        if not self.lag or self.K:
+            return False
+        req = sreq.request
+        outstanding = req.num_computed_tokens - (req.num_tokens - 1)
+        return (req.num_output_tokens > 0 and 0 < outstanding <= self.lag
+                and sreq.num_outputs + outstanding < sreq.spec.output_len
+                and req.num_computed_tokens < self.coord.max_model_len)
 
     def _schedule(self, sreq: SimRequest, n: int, drafts: int) -> tuple:
         req = sreq.request
