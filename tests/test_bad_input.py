@@ -171,6 +171,28 @@ def test_cli_bad_config_subprocess_no_traceback(tmp_path):
     assert out.stderr == "mambakv: error: config.json: attn_layer_period must be >= 1, got 0\n"
 
 
+@pytest.mark.parametrize("argv, why", [
+    (["replay", "--config", "{cfg}"], "config.json must be a JSON object, got list"),
+    (["trace", "{tmp}/missing.jsonl"], "cannot read trace"),
+    (["replay", "--plot", "{tmp}/x.txt"], "the file name must end in"),
+    (["replay", "--plot", "{tmp}/no/such/x.png"], "does not exist"),
+    (["replay", "--memory-gib", "8"], "needs about 905 blocks"),
+    (["replay", "--memory-gib", "nan"], "--memory-gib"),
+    (["replay", "--model", "nosuch"], "unknown model 'nosuch'"),
+    (["models", "--bogus"], "unrecognized arguments"),
+])
+def test_cli_subprocess_one_line_exit_2(tmp_path, argv, why):
+    cfg = write_config(tmp_path, [1, 2])
+    argv = [a.format(cfg=cfg, tmp=tmp_path) for a in argv]
+    if "--plot" in argv:
+        pytest.importorskip("matplotlib")
+    out = subprocess.run([sys.executable, "-m", "mambakv", *argv], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stdout == "" and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("mambakv: error: ") and why in out.stderr
+
+
 # --------------------------------------------------------------------------- 3. coordinator / pool
 # Reserved for the core engineer (coordinator.py, groups/, hits.py, core/block_pool.py are being
 # restructured on another branch): bad calls into KVCacheCoordinator and BlockPool belong here,
