@@ -230,27 +230,107 @@ def _blocks_needed(model: Any, tokens: int, args: argparse.Namespace) -> tuple[i
     return blocks, plan.bytes_per_block
 
 
+def plot_series(result: Any) -> tuple[list[int], list[tuple[int, ...]], list[float]]:
+    """Steps, blocks per group and running hit rate of a run, through its last step.
+
+    The scheduler samples after allocations only; a decode tail that allocates nothing, and the
+    frees at the end, would be missing.  The last sample is held until the run's last step,
+    where the tables' usage at the end of the run (0 when every request finished) closes it.
+    """
+    from mambakv.sim.metrics import group_usage
+
+    m = result.metrics
+    steps = [s[0] for s in m.series]
+    usage = [tuple(s[2]) for s in m.series]
+    hits = [s[3] for s in m.series]
+    end_usage = tuple(group_usage(result.coord))
+    if not steps or steps[-1] < m.steps or usage[-1] != end_usage:
+        steps.append(max(m.steps, steps[-1] if steps else 0))
+        usage.append(end_usage)
+        hits.append(m.hit_rate)
+    return steps, usage, hits
+
+
+def merge_identical_groups(kinds: list[str], usage: list[tuple[int, ...]]) -> list[tuple[list[int], str]]:
+    """Groups whose usage is equal at every sample, as ``(group ids, kind)`` bands in group order.
+
+    Qwen3-Next's three Mamba groups hold the same number of blocks at every step: drawn apart
+    they cover each other; merged, one band of 3x the height says so.
+    """
+    bands: dict[tuple, tuple[list[int], str]] = {}
+    for gid, kind in enumerate(kinds):
+        key = (kind, tuple(u[gid] for u in usage))
+        bands.setdefault(key, ([], kind))[0].append(gid)
+    return list(bands.values())
+
+
 def write_plot(result: Any, path: str) -> None:
-    """PNG: blocks in use per group (left axis) and the running hit rate (right), per step."""
+    """A chart for sizing memory: blocks in use (stacked by group, against the pool's capacity,
+    with GiB on the right) above the running prefix-cache hit rate, per scheduler step; the
+    title names the model, the pool and the settings.  The format follows the suffix of
+    `path` (PLOT_SUFFIXES)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = result.metrics.series
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    steps = [s[0] for s in series]
-    for gid, g in enumerate(result.metrics.groups):
-        ax.step(steps, [s[2][gid] for s in series], where="post", label=f"group {gid} ({g.kind})")
-    ax.set_xlabel("scheduler step")
-    ax.set_ylabel("blocks in use")
-    ax2 = ax.twinx()
-    ax2.plot(steps, [s[3] for s in series], color="black", linestyle="--", label="hit rate (running)")
-    ax2.set_ylabel("prefix-cache hit rate")
-    ax2.set_ylim(0, 1)
-    h1, l1 = ax.get_legend_handles_labels()
-    h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, loc="upper left", fontsize="small")
+    d, m = result.to_dict(), result.metrics
+    pool = result.coord.block_pool
+    steps, usage, hits = plot_series(result)
+    per_block = d["bytes_per_block"]
+    fig, (ax, axh) = plt.subplots(2, 1, sharex=True, figsize=(10, 6.5), height_ratios=(3, 1.3))
+    bands = merge_identical_groups([g.kind for g in m.groups], usage)
+    ys, labels, colors = [], [], [f"C{i}" for i in range(len(bands))]
+    reserved = pool.num_reserved_blocks  # lazy scratch rows: taken from the pool, in no table
+    if reserved:
+        ys.append([reserved] * len(steps))
+        labels.append(f"reserved scratch region (lazy): {reserved:,}")
+        colors.insert(0, "lightgray")
+    for gids, kind in bands:
+        ys.append([sum(u[g] for g in gids) for u in usage])
+        one = max(u[gids[0]] for u in usage)
+        if len(gids) == 1:
+            labels.append(f"group {gids[0]} ({kind}): peak {one:,}")
+        else:
+            labels.append(f"groups {', '.join(map(str, gids))} ({kind}, identical): peak {len(gids)} x {one:,}")
+    ax.stackplot(steps, *ys, labels=labels, colors=colors, step="post", alpha=0.85)
+    total = [reserved + sum(u) for u in usage]
+    peak = max(total, default=0)
+    at = steps[total.index(peak)] if total else 0
+    ax.plot([at], [peak], marker="v", color="black", linestyle="none",
+            label=f"peak: {peak:,} blocks = {peak * per_block / GIB:,.2f} GiB (step {at:,})")
+    capacity = pool.num_blocks - 1
+    what = f"pool capacity: {capacity:,} blocks ({d['memory_gib']:g} GiB)"
+    if capacity <= 4 * peak:  # the whole pool on the chart
+        ax.axhline(capacity, color="crimson", linestyle="--", linewidth=1.2, label=what)
+        top = max(capacity, peak) * 1.05
+    else:  # zoom on the data: at 60 GiB a small trace would be a flat line at the bottom
+        ax.plot([], [], color="crimson", linestyle="--", linewidth=1.2,
+                label=f"{what},\n{capacity / max(peak, 1):,.0f}x the peak: above the chart")
+        top = peak * 1.15
+    ax.set_ylim(0, max(top, 1))
+    ax.set_ylabel("blocks in use (stacked)")
+    gib = ax.secondary_yaxis("right", functions=(lambda b: b * per_block / GIB, lambda g: g * GIB / per_block))
+    gib.set_ylabel("GiB")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.08, 1.0), fontsize="small", frameon=False)
+
+    axh.step(steps, hits, where="post", color="black")
+    top = max(hits, default=0.0)
+    axh.set_ylim(0, top * 1.25 if top > 0 else 0.01)
+    axh.set_ylabel("hit rate")
+    axh.set_xlabel("scheduler step")
+    axh.grid(alpha=0.3)
+    axh.text(1.02, 0.5, f"final hit rate {d['hit_rate']:.4f}\n{d['cached_tokens']:,} of {d['prompt_tokens']:,}\n"
+             f"prompt tokens cached", transform=axh.transAxes, va="center", fontsize="small")
+
+    rejected = f", {d['rejected']:,} rejected" if d.get("rejected") else ""
+    fig.suptitle(f"{d['model']} ({d.get('workload', 'run')}): {d['num_blocks']:,} blocks x "
+                 f"{per_block / MIB:.2f} MiB = {d['memory_gib']:g} GiB\n"
+                 f"{d['max_num_batched_tokens']} tokens/step, {d['num_speculative_tokens']} speculative tokens, "
+                 f"{d['in_flight']} in flight, Mamba policy {d.get('mamba_policy', 'eager')}; "
+                 f"{d['finished']:,}/{d['requests']:,} requests finished{rejected}, "
+                 f"{d['preemptions']:,} preemptions", fontsize="medium")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -291,3 +291,32 @@ def test_rejection_boundary_in_runner():
     result = run_workload(coord, [spec("ok", 4095), never])
     d = result.to_dict()
     assert (result.rejected, d["requests"], d["finished"], d["output_tokens"]) == (1, 2, 1, 1)
+
+
+def test_plot_series_runs_to_the_last_step():
+    from mambakv.cli import plot_series
+    from mambakv.sim.runner import run_replay
+
+    # default replay: 59 aligned chunks + the last 223 tokens = 60 allocating steps, then
+    # 2 steps of decode (4 outputs, 5 drafts, 2 in flight) allocate nothing: the samples stop at
+    # step 60 of 62.  The chart holds the last sample to step 62, where the tables are empty.
+    r = run_replay()
+    assert r.metrics.steps == 62 and r.metrics.series[-1][0] == 60
+    steps, usage, hits = plot_series(r)
+    # ceil(480,031 / 544) = 883 attention blocks; 2 + 5 + 2 = 9 per Mamba group
+    assert steps[-2:] == [60, 62] and usage[-2:] == [(883, 9, 9, 9), (0, 0, 0, 0)]
+    assert hits[-1] == 0.0
+
+
+def test_identical_groups_merge_into_one_band():
+    from mambakv.cli import merge_identical_groups
+
+    kinds = ["full_attention", "mamba", "mamba", "mamba"]
+    assert merge_identical_groups(kinds, [(5, 2, 2, 2), (9, 3, 3, 3)]) == [([0], "full_attention"),
+                                                                           ([1, 2, 3], "mamba")]
+    # group 2 differs at the second sample: its own band
+    assert merge_identical_groups(kinds, [(5, 2, 2, 2), (9, 3, 4, 3)]) == [([0], "full_attention"),
+                                                                           ([1, 3], "mamba"), ([2], "mamba")]
+    # equal counts of different kinds never merge
+    assert merge_identical_groups(["full_attention", "mamba"], [(1, 1)]) == [([0], "full_attention"),
+                                                                             ([1], "mamba")]
