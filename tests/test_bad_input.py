@@ -199,3 +199,14 @@ def test_cli_subprocess_one_line_exit_2(tmp_path, argv, why):
 # each asserting a one-line MambaKVError subclass raised before any state changes.
 def test_errors_are_mambakv_errors():
     assert issubclass(ModelConfigError, MambaKVError) and issubclass(ModelConfigError, ValueError)
+
+
+def test_every_error_class_is_exported():
+    # InvalidCopyPlanError (MambaStatePool's) was missing from `mambakv`
+    import mambakv
+    import mambakv.core.errors as errors
+
+    classes = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, MambaKVError)}
+    assert "InvalidCopyPlanError" in classes and len(classes) == 14
+    for name in classes:
+        assert name in mambakv.__all__ and getattr(mambakv, name) is getattr(errors, name)

@@ -320,3 +320,25 @@ def test_identical_groups_merge_into_one_band():
     # equal counts of different kinds never merge
     assert merge_identical_groups(["full_attention", "mamba"], [(1, 1)]) == [([0], "full_attention"),
                                                                              ([1], "mamba")]
+
+
+def test_help_needs_no_source_checkout(capsys):
+    # a wheel ships no docs/: --help explains the report itself
+    for argv in (["--help"], ["replay", "--help"], ["trace", "--help"], ["chat", "--help"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert "docs/" not in out
+    assert main(["replay", "--help"]) == 0
+    assert "hit rate (cached / prompt tokens" in " ".join(capsys.readouterr().out.split())
+
+
+def test_license_readme_and_changelog_agree_with_pyproject():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'license = { text = "Apache-2.0" }' in pyproject
+    license_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    assert '"torch>=2.1,<3"' in pyproject and "torch >= 2.1, < 3" in (ROOT / "README.md").read_text()
+    from mambakv import __version__
+
+    headings = [ln for ln in (ROOT / "CHANGELOG.md").read_text().splitlines() if ln.startswith("## ")]
+    assert headings[0] == "## Unreleased" and headings[1].startswith(f"## {__version__} - 20")

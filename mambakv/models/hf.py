@@ -4,16 +4,18 @@ Supported ``model_type``s: ``qwen3_next`` and ``qwen3_5*`` (gated DeltaNet), ``n
 ``granitemoehybrid``, ``falcon_h1``, ``mamba2`` (Mamba2), ``jamba``, ``mamba`` (Mamba1), and
 ``mamba_ssm``-style configs (``d_model`` / ``n_layer`` / ``ssm_cfg``, e.g. state-spaces/mamba2-*).
 
-State shapes per layer and request (DESIGN.md 7), per tensor-parallel rank:
+State shapes per layer and request (DESIGN.md 7), per tensor-parallel rank.  The conv state is
+always ``(d_conv - 1, channels)``: the kernel's past inputs first, then the channels (``d_conv``
+is the conv kernel size: ``conv_kernel``, ``mamba_d_conv``, ``linear_conv_kernel_dim``):
 
 =========  ==================================================  ==========================
-mixer      conv state                                          SSM state
+mixer      conv state ``(d_conv - 1, channels)``               SSM state
 =========  ==================================================  ==========================
 Mamba1     ``(d_conv - 1, d_inner / tp)``                      ``(d_inner / tp, d_state)``
 Mamba2     ``(d_conv - 1, (d_inner + 2 g d_state) / tp)``      ``(heads / tp, head_dim,
            with ``g`` B/C groups; when ``g % tp != 0`` the      d_state)``
            groups are replicated: 1 group per rank
-GDN        ``(k - 1, (2 nk dk + nv dv) / tp)``                 ``(nv / tp, dk, dv)``
+GDN        ``(d_conv - 1, (2 nk dk + nv dv) / tp)``            ``(nv / tp, dk, dv)``
 =========  ==================================================  ==========================
 
 The conv state is in the model dtype; the SSM state in ``mamba_ssm_dtype`` when the config has
