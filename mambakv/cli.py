@@ -373,9 +373,11 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                                            max_num_seqs=args.max_num_seqs, one_at_a_time=args.one_at_a_time,
                                            on_finish=on_finish, **common)
     except BudgetTooSmallError as e:
-        longest = (args.prompt_tokens + args.output_tokens if specs is None
-                   else max(s.num_prompt_tokens + s.output_len for s in specs))
-        need = _blocks_needed(model, min(longest, DEFAULT_MAX_MODEL_LEN), args)
+        # the longest request that runs (longer prompts are rejected), up to the length cap
+        lengths = ([args.prompt_tokens + args.output_tokens] if specs is None else
+                   [s.num_prompt_tokens + s.output_len for s in specs if s.num_prompt_tokens < DEFAULT_MAX_MODEL_LEN])
+        longest = min(max(lengths), DEFAULT_MAX_MODEL_LEN)
+        need = _blocks_needed(model, longest, args)
         if need is None:
             raise
         blocks, per_block = need

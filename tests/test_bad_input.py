@@ -72,6 +72,11 @@ def _mamba2_ssm(**ssm) -> dict:
     (packaged("qwen3-next-80b-a3b", num_hidden_layers=True), "num_hidden_layers must be an integer, got True"),
     (packaged("qwen3-next-80b-a3b", num_hidden_layers=-4), "num_hidden_layers must be >= 1, got -4"),
     (packaged("qwen3-next-80b-a3b", num_hidden_layers=0), "num_hidden_layers must be >= 1, got 0"),
+    # a typo of 4.8 billion layers used to build per-layer tuples without end
+    (packaged("qwen3-next-80b-a3b", num_hidden_layers=4_800_000_000), "num_hidden_layers must be <= 10,000"),
+    (packaged("mamba2-2.7b", n_layer=10_001), "n_layer must be <= 10,000, got 10,001"),
+    (packaged("granite-4.0-h-small", layer_types=None), "config.json lacks layer_types / layers_block_type"),
+    (packaged("qwen3-next-80b-a3b", num_hidden_layers=1e400), "num_hidden_layers must be an integer, got inf"),
     (packaged("qwen3-next-80b-a3b", head_dim=0), "head_dim must be >= 1, got 0"),
     (packaged("qwen3-next-80b-a3b", linear_conv_kernel_dim=1), "linear_conv_kernel_dim must be >= 2, got 1"),
     (packaged("nemotron-h-8b", num_hidden_layers=52.0), "num_hidden_layers must be an integer"),

@@ -342,3 +342,16 @@ def test_license_readme_and_changelog_agree_with_pyproject():
 
     headings = [ln for ln in (ROOT / "CHANGELOG.md").read_text().splitlines() if ln.startswith("## ")]
     assert headings[0] == "## Unreleased" and headings[1].startswith(f"## {__version__} - 20")
+
+
+def test_trace_budget_hint_uses_the_longest_request_that_runs(tmp_path, capsys):
+    # 0.05 GiB = 4 blocks (3 usable).  The 2,097,152-token request is rejected, so the longest
+    # that runs is B: 2,100 + 1 tokens, K = 0 -> 1 null + ceil(2,101 / 544) = 4 KV blocks +
+    # 3 x 2 states = 11 blocks = 147,062,784 B = 0.137 GiB -> "--memory-gib 0.14"
+    big = {"timestamp": 60, "input_length": 2_097_152, "output_length": 1, "hash_ids": list(range(100, 4196))}
+    p = write_trace(tmp_path / "t.jsonl", [*ROWS, big])
+    assert main(["trace", str(p), "--memory-gib", "0.05"]) == 2
+    err = _one_line_error(capsys)
+    assert "the longest request (2,101 tokens) needs about 11 blocks of 12.75 MiB: --memory-gib 0.14 or more" in err
+    assert main(["trace", str(p), "--memory-gib", "0.14", "--quiet"]) == 0
+    assert "requests 2/3 finished, 1 rejected;" in capsys.readouterr().out

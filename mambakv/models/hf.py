@@ -185,6 +185,9 @@ QWEN_LAYER_TYPES = {"full_attention": _ATT, "linear_attention": _MAM}
 BLOCK_TYPES = {"attention": _ATT, "mamba": _MAM}
 #: Nemotron-H ``hybrid_override_pattern``: M Mamba2, * attention, - MLP, E MoE (no cache).
 NEMOTRON_LETTERS = {"M": _MAM, "*": _ATT, "-": _NONE, "E": _NONE}
+#: Most layers a config may declare: public hybrid models have under 200; the bound stops a
+#: typo such as ``num_hidden_layers: 4800000000`` from building per-layer tuples without end.
+MAX_LAYERS = 10_000
 
 
 def _get(cfg: Mapping[str, Any], *keys: str, default: Any = _MISSING) -> Any:
@@ -198,10 +201,11 @@ def _get(cfg: Mapping[str, Any], *keys: str, default: Any = _MISSING) -> Any:
     raise ModelConfigError(f"config.json lacks {' / '.join(keys)}")
 
 
-def _int(cfg: Mapping[str, Any], key: str, *, low: int = 1, default: Any = _MISSING, within: str = "") -> int:
-    """``cfg[key]`` as an int >= `low`: a JSON integer only (``"48"``, ``48.0`` and ``true``
-    are refused, so a typo cannot pass as a count).  A missing key is `default` (no check);
-    `within` names the enclosing object in messages (``"ssm_cfg"``)."""
+def _int(cfg: Mapping[str, Any], key: str, *, low: int = 1, high: int | None = None, default: Any = _MISSING,
+         within: str = "") -> int:
+    """``cfg[key]`` as an int in ``[low, high]``: a JSON integer only (``"48"``, ``48.0`` and
+    ``true`` are refused, so a typo cannot pass as a count).  A missing key is `default` (no
+    check); `within` names the enclosing object in messages (``"ssm_cfg"``)."""
     if cfg.get(key) is None and default is not _MISSING:
         return default
     name = f"{within}.{key}" if within else key
@@ -212,6 +216,8 @@ def _int(cfg: Mapping[str, Any], key: str, *, low: int = 1, default: Any = _MISS
         raise ModelConfigError(f"config.json: {name} must be an integer, got {v!r}")
     if v < low:
         raise ModelConfigError(f"config.json: {name} must be >= {low}, got {v}")
+    if high is not None and v > high:
+        raise ModelConfigError(f"config.json: {name} must be <= {high:,}, got {v:,}")
     return v
 
 
@@ -265,7 +271,7 @@ def _parse_layers_and_mixer(cfg: Mapping[str, Any], mt: str
                             ) -> tuple[int, tuple[int, ...], tuple[int, ...], MixerDims]:
     # conv kernels: a kernel of k taps keeps k - 1 past inputs, so k >= 2 for any state
     if mt.startswith("qwen3_next") or mt == "qwen3_5":
-        n = _int(cfg, "num_hidden_layers")
+        n = _int(cfg, "num_hidden_layers", high=MAX_LAYERS)
         if cfg.get("layer_types") is not None:
             att, mam = _pattern_layers(cfg["layer_types"], "layer_types", n, QWEN_LAYER_TYPES)
         else:
@@ -281,19 +287,19 @@ def _parse_layers_and_mixer(cfg: Mapping[str, Any], mt: str
         pattern = _get(cfg, "hybrid_override_pattern")
         if not isinstance(pattern, str):
             raise ModelConfigError(f"config.json: hybrid_override_pattern must be a string, got {pattern!r}")
-        n = _int(cfg, "num_hidden_layers", default=len(pattern))
+        n = _int(cfg, "num_hidden_layers", high=MAX_LAYERS, default=len(pattern))
         att, mam = _pattern_layers(pattern, "hybrid_override_pattern", n, NEMOTRON_LETTERS)
         mixer = Mamba2Dims(_int(cfg, "mamba_num_heads"), _int(cfg, "mamba_head_dim"),
                            _int(cfg, "ssm_state_size"), _int(cfg, "n_groups"),
                            _int(cfg, "conv_kernel", low=2))
         return n, att, mam, mixer
     if mt in ("granitemoehybrid", "falcon_h1"):
-        n = _int(cfg, "num_hidden_layers")
+        n = _int(cfg, "num_hidden_layers", high=MAX_LAYERS)
         if mt == "falcon_h1":  # attention and Mamba2 side by side in every layer
             att = mam = tuple(range(n))
         else:
             key = "layer_types" if cfg.get("layer_types") is not None else "layers_block_type"
-            att, mam = _pattern_layers(_get(cfg, key), key, n, BLOCK_TYPES)
+            att, mam = _pattern_layers(_get(cfg, "layer_types", "layers_block_type"), key, n, BLOCK_TYPES)
         mixer = Mamba2Dims(_int(cfg, "mamba_n_heads"), _int(cfg, "mamba_d_head"),
                            _int(cfg, "mamba_d_state"), _int(cfg, "mamba_n_groups"),
                            _int(cfg, "mamba_d_conv", low=2))
@@ -303,16 +309,16 @@ def _parse_layers_and_mixer(cfg: Mapping[str, Any], mt: str
                                    f"= {mixer.n_heads * mixer.head_dim}")
         return n, att, mam, mixer
     if mt == "mamba2":
-        n = _int(cfg, "num_hidden_layers")
+        n = _int(cfg, "num_hidden_layers", high=MAX_LAYERS)
         mixer = Mamba2Dims(_int(cfg, "num_heads"), _int(cfg, "head_dim"), _int(cfg, "state_size"),
                            _int(cfg, "n_groups"), _int(cfg, "conv_kernel", low=2))
         return n, (), tuple(range(n)), mixer
     if mt == "mamba":
-        n = _int(cfg, "num_hidden_layers")
+        n = _int(cfg, "num_hidden_layers", high=MAX_LAYERS)
         d_inner, d_state = _int(cfg, "intermediate_size"), _int(cfg, "state_size")
         return n, (), tuple(range(n)), Mamba1Dims(d_inner, d_state, _int(cfg, "conv_kernel", low=2))
     if mt == "jamba":
-        n = _int(cfg, "num_hidden_layers")
+        n = _int(cfg, "num_hidden_layers", high=MAX_LAYERS)
         if cfg.get("layers_block_type") is not None:
             att, mam = _pattern_layers(cfg["layers_block_type"], "layers_block_type", n, BLOCK_TYPES)
         else:
@@ -326,7 +332,7 @@ def _parse_layers_and_mixer(cfg: Mapping[str, Any], mt: str
         mixer = Mamba1Dims(d_inner, _int(cfg, "mamba_d_state"), _int(cfg, "mamba_d_conv", low=2))
         return n, att, mam, mixer
     if mt == "mamba_ssm":  # state-spaces checkpoints; defaults of mamba_ssm's Mamba / Mamba2
-        n, d_model = _int(cfg, "n_layer"), _int(cfg, "d_model")
+        n, d_model = _int(cfg, "n_layer", high=MAX_LAYERS), _int(cfg, "d_model")
         ssm = _mapping(cfg, "ssm_cfg")
         idx = _get(cfg, "attn_layer_idx", default=[])
         if not isinstance(idx, list) or any(type(i) is not int or not 0 <= i < n for i in idx) \
