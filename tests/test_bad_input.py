@@ -135,6 +135,28 @@ def test_read_config_bad_json(tmp_path, text, why):
         load_model(str(d / "config.json"))
 
 
+def test_read_config_unreadable_files(tmp_path):
+    (tmp_path / "empty-dir").mkdir()
+    with pytest.raises(ModelConfigError, match="cannot read .*config.json"):
+        read_config(tmp_path / "empty-dir")  # a folder without config.json
+    bad = tmp_path / "binary" / "config.json"
+    bad.parent.mkdir()
+    bad.write_bytes(b"\xff\xfe{")
+    with pytest.raises(ModelConfigError, match="cannot read"):
+        read_config(bad)
+    nan = tmp_path / "nan" / "config.json"  # Python's json reads NaN: still not a count
+    nan.parent.mkdir()
+    nan.write_text(json.dumps(packaged("jamba-v0.1")).replace('"num_hidden_layers": 32', '"num_hidden_layers": NaN'))
+    with pytest.raises(ModelConfigError, match="num_hidden_layers must be an integer, got nan"):
+        read_config(nan)
+
+
+@pytest.mark.parametrize("name", ["../configs/jamba-v0.1", "nosuch", "", 7])
+def test_packaged_config_only_takes_packaged_names(name):
+    with pytest.raises(ModelConfigError, match="unknown model"):
+        packaged_config(name)
+
+
 # --------------------------------------------------------------------------- 2. the CLI
 def write_config(tmp_path: Path, cfg) -> str:
     d = tmp_path / "some-folder"
