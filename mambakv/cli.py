@@ -28,8 +28,8 @@ from mambakv.core.errors import MambaKVError
 MIB = 1 << 20
 GIB = 1 << 30
 #: Above this many draft tokens per step ``--num-speculative-tokens`` gets a warning: MTP and
-#: EAGLE drafters propose a handful of tokens per step (vLLM's examples use 1-5); every draft
-#: costs each Mamba group one more block per request.
+#: EAGLE drafters propose a handful of tokens per step; every draft costs each Mamba group one
+#: more block per request, and the run is still allowed (the bound is a judgement, not a limit).
 PLAUSIBLE_SPECULATIVE_TOKENS = 64
 #: File types ``--plot`` writes (matplotlib picks the format from the suffix).
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
@@ -217,7 +217,8 @@ def _blocks_needed(model: Any, tokens: int, args: argparse.Namespace) -> tuple[i
     speculative tokens: the request's KV blocks, plus a running and a checkpoint state and K
     draft states per Mamba group (steps in flight wait instead of needing more).  Measured
     against the scheduler on Qwen3-Next (block 544, 1 + 3 groups): the 480,035-token replay runs
-    in 905 blocks and not 904 (K = 5, 2 in flight), 889 + 1 with K = 0.
+    in 905 blocks and not in 904 (K = 5, 2 in flight), in 890 and not 889 with K = 0 and none
+    in flight.
     """
     if args.mamba_policy != "eager":
         return None
