@@ -62,7 +62,7 @@ def _mamba2_ssm(**ssm) -> dict:
                                                                        "num_hidden_layers is 40"),
     (packaged("granite-4.0-h-small", layer_types=GRANITE_TYPES[:39] + ["moe"]), "layer_types[39] is 'moe'"),
     (packaged("granite-4.0-h-small", layer_types=GRANITE_TYPES[:39] + [1]), "layer_types[39] is 1"),
-    (packaged("granite-4.0-h-small", layer_types="mamba"), "layer_types has 5 layers"),
+    (packaged("granite-4.0-h-small", layer_types="mamba"), "layer_types must be a list, got 'mamba'"),
     (packaged("granite-4.0-h-small", layer_types={"a": 1}), "layer_types must be a list"),
     (packaged("qwen3-next-80b-a3b", layer_types=["full_attention"] * 47 + ["gdn"]), "layer_types[47] is 'gdn'"),
     (packaged("jamba-v0.1", layers_block_type=["mamba"] * 31), "layers_block_type has 31 layers"),

@@ -233,15 +233,15 @@ def _mapping(cfg: Mapping[str, Any], key: str) -> Mapping[str, Any]:
 
 def _pattern_layers(kinds: Any, key: str, n: int, known: Mapping[str, tuple[bool, bool]]
                     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Attention and Mamba layer indices of a per-layer pattern (a list, or a str of letters).
+    """Attention and Mamba layer indices of a per-layer pattern (a list of kinds).
 
-    ``"M-M*"`` with ``NEMOTRON_LETTERS`` and ``n = 4`` -> ``((3,), (0, 2))``.
+    ``list("M-M*")`` with ``NEMOTRON_LETTERS`` and ``n = 4`` -> ``((3,), (0, 2))``.
 
     Raises:
-        ModelConfigError: `kinds` is not a list / str, its length is not `n`, or it names a
-            kind that is not in `known`.
+        ModelConfigError: `kinds` is not a list, its length is not `n`, or it names a kind
+            that is not in `known`.
     """
-    if not isinstance(kinds, (list, str)):
+    if not isinstance(kinds, list):
         raise ModelConfigError(f"config.json: {key} must be a list, got {kinds!r}")
     if len(kinds) != n:
         raise ModelConfigError(f"config.json: {key} has {len(kinds)} layers, num_hidden_layers is {n}")
@@ -288,7 +288,7 @@ def _parse_layers_and_mixer(cfg: Mapping[str, Any], mt: str
         if not isinstance(pattern, str):
             raise ModelConfigError(f"config.json: hybrid_override_pattern must be a string, got {pattern!r}")
         n = _int(cfg, "num_hidden_layers", high=MAX_LAYERS, default=len(pattern))
-        att, mam = _pattern_layers(pattern, "hybrid_override_pattern", n, NEMOTRON_LETTERS)
+        att, mam = _pattern_layers(list(pattern), "hybrid_override_pattern", n, NEMOTRON_LETTERS)
         mixer = Mamba2Dims(_int(cfg, "mamba_num_heads"), _int(cfg, "mamba_head_dim"),
                            _int(cfg, "ssm_state_size"), _int(cfg, "n_groups"),
                            _int(cfg, "conv_kernel", low=2))
