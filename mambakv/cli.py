@@ -279,6 +279,7 @@ def write_plot(result: Any, path: str) -> None:
     pool = result.coord.block_pool
     steps, usage, hits = plot_series(result)
     per_block = d["bytes_per_block"]
+    gib_total = d.get("memory_gib", round(pool.num_blocks * per_block / GIB, 2))  # a bare run_workload: no settings
     fig, (ax, axh) = plt.subplots(2, 1, sharex=True, figsize=(10, 6.5), height_ratios=(3, 1.3))
     bands = merge_identical_groups([g.kind for g in m.groups], usage)
     ys, labels, colors = [], [], [f"C{i}" for i in range(len(bands))]
@@ -301,7 +302,7 @@ def write_plot(result: Any, path: str) -> None:
     ax.plot([at], [peak], marker="v", color="black", linestyle="none",
             label=f"peak: {peak:,} blocks = {peak * per_block / GIB:,.2f} GiB (step {at:,})")
     capacity = pool.num_blocks - 1
-    what = f"pool capacity: {capacity:,} blocks ({d['memory_gib']:g} GiB)"
+    what = f"pool capacity: {capacity:,} blocks ({gib_total:g} GiB)"
     if capacity <= 4 * peak:  # the whole pool on the chart
         ax.axhline(capacity, color="crimson", linestyle="--", linewidth=1.2, label=what)
         top = max(capacity, peak) * 1.05
@@ -310,7 +311,7 @@ def write_plot(result: Any, path: str) -> None:
                 label=f"{what},\n{capacity / max(peak, 1):,.0f}x the peak: above the chart")
         top = peak * 1.15
     ax.set_ylim(0, max(top, 1))
-    ax.set_ylabel("blocks in use (stacked)")
+    ax.set_ylabel("blocks held by requests (stacked)")  # cached free blocks are not counted
     gib = ax.secondary_yaxis("right", functions=(lambda b: b * per_block / GIB, lambda g: g * GIB / per_block))
     gib.set_ylabel("GiB")
     ax.grid(alpha=0.3)
@@ -326,10 +327,12 @@ def write_plot(result: Any, path: str) -> None:
              f"prompt tokens cached", transform=axh.transAxes, va="center", fontsize="small")
 
     rejected = f", {d['rejected']:,} rejected" if d.get("rejected") else ""
-    fig.suptitle(f"{d['model']} ({d.get('workload', 'run')}): {d['num_blocks']:,} blocks x "
-                 f"{per_block / MIB:.2f} MiB = {d['memory_gib']:g} GiB\n"
-                 f"{d['max_num_batched_tokens']} tokens/step, {d['num_speculative_tokens']} speculative tokens, "
-                 f"{d['in_flight']} in flight, Mamba policy {d.get('mamba_policy', 'eager')}; "
+    settings = ", ".join(f"{v} {k}" for k, v in (("tokens/step", d.get("max_num_batched_tokens")),
+                                                  ("speculative tokens", d.get("num_speculative_tokens")),
+                                                  ("in flight", d.get("in_flight"))) if v is not None)
+    policy = f"Mamba policy {d['mamba_policy']}; " if "mamba_policy" in d else ""
+    fig.suptitle(f"{d.get('model', 'model')} ({d.get('workload', 'run')}): {d['num_blocks']:,} blocks x "
+                 f"{per_block / MIB:.2f} MiB = {gib_total:g} GiB\n{settings}{'; ' if settings else ''}{policy}"
                  f"{d['finished']:,}/{d['requests']:,} requests finished{rejected}, "
                  f"{d['preemptions']:,} preemptions", fontsize="medium")
     fig.tight_layout()

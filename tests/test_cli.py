@@ -355,3 +355,15 @@ def test_trace_budget_hint_uses_the_longest_request_that_runs(tmp_path, capsys):
     assert "the longest request (2,101 tokens) needs about 11 blocks of 12.75 MiB: --memory-gib 0.14 or more" in err
     assert main(["trace", str(p), "--memory-gib", "0.14", "--quiet"]) == 0
     assert "requests 2/3 finished, 1 rejected;" in capsys.readouterr().out
+
+
+def test_write_plot_of_a_bare_library_run(tmp_path):
+    # run_workload without settings (a library user's own run): the chart needs only the result
+    pytest.importorskip("matplotlib")
+    from mambakv.cli import write_plot
+    from mambakv.sim.runner import build_coordinator, run_workload
+    from mambakv.sim.workloads import long_prefill
+
+    r = run_workload(build_coordinator("jamba-v0.1", 4.0), long_prefill(3000, output_len=2))
+    write_plot(r, str(tmp_path / "bare.svg"))
+    assert (tmp_path / "bare.svg").read_text().lstrip().startswith("<?xml")
