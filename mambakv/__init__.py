@@ -16,6 +16,7 @@ from mambakv.core.errors import (
     DoubleFreeError,
     HashBlockSizeMismatchError,
     InvalidBlockError,
+    InvalidCopyPlanError,
     InvalidDraftCountError,
     InvalidRequestError,
     InvalidSpecError,
@@ -63,7 +64,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AllBlocksCleared", "BlockNotFreeError", "BlockPool", "BlockRemoved", "BlockStored", "DoubleFreeError",
     "FreeBlockQueue", "FullAttentionManager", "FullAttentionSpec", "HashBlockSizeMismatchError",
-    "InvalidBlockError", "InvalidDraftCountError", "InvalidRequestError", "InvalidSpecError", "InvalidTokenCountError", "KVCacheBlock", "KVCacheBlocks",
+    "InvalidBlockError", "InvalidCopyPlanError", "InvalidDraftCountError", "InvalidRequestError", "InvalidSpecError", "InvalidTokenCountError", "KVCacheBlock", "KVCacheBlocks",
     "KVCacheConfig", "KVCacheCoordinator", "KVCacheGroupSpec", "KVCacheSpec", "LazyMambaManager", "MambaCacheMode",
     "MambaKVError",
     "MambaManager", "MambaSpec", "MambaStatePool", "ModelConfigError", "OutOfBlocksError", "PrefixCacheStats",

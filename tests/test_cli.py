@@ -183,3 +183,187 @@ def test_help_is_plain_text_and_documents_every_flag(capsys):
     assert main(["replay", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "(default 0.7)" in out and "--seed SEED seed of" in out and "(default 0)" in out
+
+
+# --------------------------------------------------------------------------- issue 18
+def test_version(capsys):
+    from mambakv import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"mambakv {__version__}\n"
+    out = subprocess.run([sys.executable, "-m", "mambakv", "--version"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == f"mambakv {__version__}\n"
+
+
+def test_closed_pipe_ends_quietly():
+    # `mambakv models | head -0`: the reader is gone before the table is written
+    proc = subprocess.Popen([sys.executable, "-m", "mambakv", "models"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141
+    assert err == ""  # no BrokenPipeError traceback, no "Exception ignored" at exit
+
+
+@pytest.mark.parametrize("name, why", [
+    ("x.txt", "must end in .png, .svg, .pdf"), ("nodir/x.png", "does not exist"), (".", "must end in"),
+])
+def test_bad_plot_path_refused_before_the_run(tmp_path, monkeypatch, capsys, name, why):
+    pytest.importorskip("matplotlib")
+    import mambakv.sim as sim
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sim, "run_replay", lambda *a, **k: pytest.fail("ran before checking --plot"))
+    assert main(["replay", "--plot", name]) == 2
+    assert why in _one_line_error(capsys)
+
+
+def test_plot_dir_refused(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "d.png").mkdir()
+    assert main(["replay", "--plot", str(tmp_path / "d.png")]) == 2
+    assert "is a directory" in _one_line_error(capsys)
+
+
+def test_plot_says_what_it_wrote(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "p.png"
+    assert main(["chat", "--conversations", "2", "--turns", "2", "--plot", str(png), "--quiet"]) == 0
+    assert capsys.readouterr().err == f"wrote {png}\n"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_implausible_speculative_tokens_warn(capsys):
+    base = ["replay", "--prompt-tokens", "1000", "--output-tokens", "1", "--in-flight", "0"]
+    assert main([*base, "--num-speculative-tokens", "64"]) == 0
+    assert capsys.readouterr().err == ""
+    assert main([*base, "--num-speculative-tokens", "65"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mambakv: warning: --num-speculative-tokens 65 is implausibly")
+    assert "(67 each here)" in err  # 2 + 65 blocks per request per Mamba group
+
+
+def test_budget_too_small_says_how_much_is_needed(capsys):
+    # Qwen3-Next: 1 attention group + 3 Mamba groups of 12 layers, block 544, 13,369,344 B
+    # (12.75 MiB) per block.  8 GiB = 642 blocks (641 usable).  The default replay (480,031 +
+    # 4 tokens, K = 5) needs 1 null + ceil(480,040 / 544) = 883 KV blocks + 3 x (2 + 5) = 905
+    # blocks = 12,099,256,320 B = 11.268 GiB -> "--memory-gib 11.27".
+    assert main(["replay", "--memory-gib", "8"]) == 2
+    err = _one_line_error(capsys)
+    assert "641 blocks of the pool" in err and "needs about 905 blocks of 12.75 MiB: --memory-gib 11.27" in err
+    # the figure is the real threshold: 11.27 GiB = 905.1 -> 905 blocks runs, 11.26 = 904.4 -> 904 does not
+    assert main(["replay", "--memory-gib", "11.27", "--json"]) == 0
+    capsys.readouterr()
+    assert main(["replay", "--memory-gib", "11.26"]) == 2
+    assert "needs about 905 blocks" in _one_line_error(capsys)
+
+
+def test_request_beyond_max_model_len_is_rejected(tmp_path, capsys):
+    # max_model_len 2,097,152 (2**21): a 2,097,152-token prompt leaves no room for an output
+    # token (2,097,152 + 1 > 2,097,152); it used to "finish" after one 8,192-token chunk.
+    big = {"timestamp": 10, "input_length": 2_097_152, "output_length": 3, "hash_ids": list(range(100, 4196))}
+    p = write_trace(tmp_path / "t.jsonl", [ROWS[0], big])
+    assert main(["trace", str(p), "--json", "--quiet"]) == 0
+    captured = capsys.readouterr()
+    d = json.loads(captured.out)
+    assert (d["requests"], d["finished"], d["rejected"]) == (2, 1, 1)
+    assert d["prompt_tokens"] == 2000 and d["output_tokens"] == 1  # only A ran
+    assert captured.err == ("mambakv: warning: 1 of 2 requests rejected: a prompt of max_model_len 2,097,152 "
+                            "tokens or more leaves no room for an output token\n")
+    assert main(["trace", str(p), "--quiet"]) == 0
+    assert "requests 1/2 finished, 1 rejected;" in capsys.readouterr().out
+
+
+def test_rejection_boundary_in_runner():
+    import numpy as np
+
+    from mambakv.sim.runner import build_coordinator, run_workload
+    from mambakv.sim.workloads import RequestSpec
+
+    def spec(rid: str, n: int) -> RequestSpec:
+        return RequestSpec(rid, 0.0, n, 3, lambda n=n: np.arange(n, dtype=np.int32) % 1000)
+
+    coord = build_coordinator("qwen3-next-80b-a3b", 2.0, max_model_len=4096)
+    # 4095 + 1 = 4096 <= 4096: runs (and stops at the length cap after 1 output token);
+    # 4096 + 1 > 4096: rejected, its prompt never built
+    never = RequestSpec("never", 0.0, 4096, 3, lambda: pytest.fail("rejected prompt was built"))
+    result = run_workload(coord, [spec("ok", 4095), never])
+    d = result.to_dict()
+    assert (result.rejected, d["requests"], d["finished"], d["output_tokens"]) == (1, 2, 1, 1)
+
+
+def test_plot_series_runs_to_the_last_step():
+    from mambakv.cli import plot_series
+    from mambakv.sim.runner import run_replay
+
+    # default replay: 59 aligned chunks + the last 223 tokens = 60 allocating steps, then
+    # 2 steps of decode (4 outputs, 5 drafts, 2 in flight) allocate nothing: the samples stop at
+    # step 60 of 62.  The chart holds the last sample to step 62, where the tables are empty.
+    r = run_replay()
+    assert r.metrics.steps == 62 and r.metrics.series[-1][0] == 60
+    steps, usage, hits = plot_series(r)
+    # ceil(480,031 / 544) = 883 attention blocks; 2 + 5 + 2 = 9 per Mamba group
+    assert steps[-2:] == [60, 62] and usage[-2:] == [(883, 9, 9, 9), (0, 0, 0, 0)]
+    assert hits[-1] == 0.0
+
+
+def test_identical_groups_merge_into_one_band():
+    from mambakv.cli import merge_identical_groups
+
+    kinds = ["full_attention", "mamba", "mamba", "mamba"]
+    assert merge_identical_groups(kinds, [(5, 2, 2, 2), (9, 3, 3, 3)]) == [([0], "full_attention"),
+                                                                           ([1, 2, 3], "mamba")]
+    # group 2 differs at the second sample: its own band
+    assert merge_identical_groups(kinds, [(5, 2, 2, 2), (9, 3, 4, 3)]) == [([0], "full_attention"),
+                                                                           ([1, 3], "mamba"), ([2], "mamba")]
+    # equal counts of different kinds never merge
+    assert merge_identical_groups(["full_attention", "mamba"], [(1, 1)]) == [([0], "full_attention"),
+                                                                             ([1], "mamba")]
+
+
+def test_help_needs_no_source_checkout(capsys):
+    # a wheel ships no docs/: --help explains the report itself
+    for argv in (["--help"], ["replay", "--help"], ["trace", "--help"], ["chat", "--help"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert "docs/" not in out
+    assert main(["replay", "--help"]) == 0
+    assert "hit rate (cached / prompt tokens" in " ".join(capsys.readouterr().out.split())
+
+
+def test_license_readme_and_changelog_agree_with_pyproject():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'license = { text = "Apache-2.0" }' in pyproject
+    license_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    assert '"torch>=2.1,<3"' in pyproject and "torch >= 2.1, < 3" in (ROOT / "README.md").read_text()
+    from mambakv import __version__
+
+    headings = [ln for ln in (ROOT / "CHANGELOG.md").read_text().splitlines() if ln.startswith("## ")]
+    assert headings[0] == "## Unreleased" and headings[1].startswith(f"## {__version__} - 20")
+
+
+def test_trace_budget_hint_uses_the_longest_request_that_runs(tmp_path, capsys):
+    # 0.05 GiB = 4 blocks (3 usable).  The 2,097,152-token request is rejected, so the longest
+    # that runs is B: 2,100 + 1 tokens, K = 0 -> 1 null + ceil(2,101 / 544) = 4 KV blocks +
+    # 3 x 2 states = 11 blocks = 147,062,784 B = 0.137 GiB -> "--memory-gib 0.14"
+    big = {"timestamp": 60, "input_length": 2_097_152, "output_length": 1, "hash_ids": list(range(100, 4196))}
+    p = write_trace(tmp_path / "t.jsonl", [*ROWS, big])
+    assert main(["trace", str(p), "--memory-gib", "0.05"]) == 2
+    err = _one_line_error(capsys)
+    assert "the longest request (2,101 tokens) needs about 11 blocks of 12.75 MiB: --memory-gib 0.14 or more" in err
+    assert main(["trace", str(p), "--memory-gib", "0.14", "--quiet"]) == 0
+    assert "requests 2/3 finished, 1 rejected;" in capsys.readouterr().out
+
+
+def test_write_plot_of_a_bare_library_run(tmp_path):
+    # run_workload without settings (a library user's own run): the chart needs only the result
+    pytest.importorskip("matplotlib")
+    from mambakv.cli import write_plot
+    from mambakv.sim.runner import build_coordinator, run_workload
+    from mambakv.sim.workloads import long_prefill
+
+    r = run_workload(build_coordinator("jamba-v0.1", 4.0), long_prefill(3000, output_len=2))
+    write_plot(r, str(tmp_path / "bare.svg"))
+    assert (tmp_path / "bare.svg").read_text().lstrip().startswith("<?xml")

@@ -228,3 +228,17 @@ def test_model_info_and_table():
     table = format_models_table()
     assert len(table.splitlines()) == 2 + len(PACKAGED)
     assert "qwen3-next-80b-a3b" in table and "37.7" in table
+
+
+def test_pattern_must_cover_every_layer():
+    # "M-M*": Mamba at 0 and 2, an MLP-only layer at 1, attention at 3.
+    cfg = dict(packaged_config("nemotron-h-8b"), hybrid_override_pattern="M-M*", num_hidden_layers=4)
+    m = parse_config(cfg)
+    assert (m.num_hidden_layers, m.attention_layers, m.mamba_layers) == (4, (3,), (0, 2))
+    del cfg["num_hidden_layers"]  # absent: the pattern's length
+    assert parse_config(cfg).num_hidden_layers == 4
+    with pytest.raises(ModelConfigError, match="hybrid_override_pattern has 4 layers, num_hidden_layers is 52"):
+        parse_config(dict(cfg, num_hidden_layers=52))
+    # the packaged 52-layer model at 60 GiB: block 528 x 4096 B/token = 2,162,688 B pages,
+    # groups of 4 -> 8,650,752 B (8.25 MiB) per block, 64,424,509,440 // that = 7,447 blocks
+    assert build_kv_cache_config("nemotron-h-8b", 60 << 30).num_blocks == 7_447

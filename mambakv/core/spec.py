@@ -160,7 +160,8 @@ class MambaSpec(KVCacheSpec):
     Args:
         block_size: tokens between checkpoints (align mode); for mode NONE of a Mamba-only
             model, ``max_model_len``.
-        shapes: the state shapes of one layer, e.g. ``((conv_dim, k - 1), (heads, hd, ds))``.
+        shapes: the state shapes of one layer, e.g. ``((d_conv - 1, channels), (heads, head_dim,
+            d_state))``: conv state first, kernel taps before channels (DESIGN.md 7).
         dtypes: one dtype per state (names or torch dtypes), same length as ``shapes``.
         mode: :class:`MambaCacheMode` or its string.
         num_speculative_blocks: scratch blocks for draft positions (MTP/EAGLE), >= 0.

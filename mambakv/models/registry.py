@@ -25,11 +25,15 @@ def list_models() -> list[str]:
 
 
 def packaged_config(name: str) -> dict:
-    """The packaged json of ``name`` (with its ``_sources``), as a dict."""
-    path = CONFIG_DIR / f"{name.lower()}.json"
-    if not path.is_file():
+    """The packaged json of ``name`` (with its ``_sources``), as a dict.
+
+    Raises:
+        ModelConfigError: `name` is not one of :func:`list_models` (a path such as
+            ``"../x"`` is never looked up).
+    """
+    if not isinstance(name, str) or name.lower() not in list_models():
         raise ModelConfigError(f"unknown model {name!r}; known: {', '.join(list_models())}")
-    return json.loads(path.read_text())
+    return json.loads((CONFIG_DIR / f"{name.lower()}.json").read_text())
 
 
 def load_model(name_or_path: str | Path | HybridModel) -> HybridModel:

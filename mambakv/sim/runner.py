@@ -78,11 +78,16 @@ def build_coordinator(model: str | Path = DEFAULT_MODEL, memory_gib: float = 60.
 
 @dataclass
 class SimResult:
-    """A finished run: the coordinator (for inspection), the scheduler's metrics, the settings."""
+    """A finished run: the coordinator (for inspection), the scheduler's metrics, the settings.
+
+    ``rejected``: requests refused before the run because they cannot fit ``max_model_len``
+    (see :func:`run_workload`); ``to_dict()["requests"]`` counts them, ``"finished"`` does not.
+    """
 
     coord: KVCacheCoordinator
     metrics: SimMetrics
     settings: dict[str, Any] = field(default_factory=dict)
+    rejected: int = 0
 
     @property
     def blocks_returned(self) -> bool:
@@ -101,8 +106,10 @@ class SimResult:
             **self.settings,
             "num_blocks": pool.num_blocks,
             "bytes_per_block": bytes_per_block,
-            "requests": m.requests,
+            "requests": m.requests + self.rejected,
             "finished": m.finished,
+            "rejected": self.rejected,
+            "max_model_len": coord.max_model_len,
             "prompt_tokens": m.prompt_tokens,
             "cached_tokens": m.cached_tokens,
             "hit_rate": round(m.hit_rate, 6),
@@ -134,10 +141,17 @@ class SimResult:
 def run_workload(coord: KVCacheCoordinator, specs: Sequence[RequestSpec], *, one_at_a_time: bool = False,
                  settings: dict[str, Any] | None = None, on_finish: Callable[[SimRequest], None] | None = None,
                  **scheduler_kwargs: Any) -> SimResult:
-    """Run `specs` through a :class:`Scheduler` on `coord` (keyword arguments go to it)."""
+    """Run `specs` through a :class:`Scheduler` on `coord` (keyword arguments go to it).
+
+    A request whose prompt leaves no room for one output token (``num_prompt_tokens + 1 >
+    coord.max_model_len``) is rejected before the run, as an engine refuses it at admission:
+    it is counted in ``SimResult.rejected``, never scheduled, and its prompt is never built.
+    """
+    limit = coord.max_model_len
+    kept = [s for s in specs if s.num_prompt_tokens + 1 <= limit]
     sched = Scheduler(coord, on_finish=on_finish, **scheduler_kwargs)
-    metrics = sched.run(specs, one_at_a_time=one_at_a_time)
-    return SimResult(coord, metrics, dict(settings or {}))
+    metrics = sched.run(kept, one_at_a_time=one_at_a_time)
+    return SimResult(coord, metrics, dict(settings or {}), rejected=len(specs) - len(kept))
 
 
 def run_replay(model: str | Path = DEFAULT_MODEL, *, prompt_tokens: int = 480_031, output_tokens: int = 4,

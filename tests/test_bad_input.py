@@ -1,0 +1,239 @@
+"""Bad input gets one line: a typed MambaKVError from the library, exit status 2 from the CLI.
+
+Sections:
+1. model configs (``parse_config`` / ``read_config`` / ``load_model``): ModelConfigError.
+2. the ``mambakv`` command: ``mambakv: error: ...`` on stderr, exit 2, no traceback.
+3. coordinator and block pool: left for the core restructuring (see the end of the file).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mambakv.cli import main
+from mambakv.core.errors import MambaKVError, ModelConfigError
+from mambakv.models import load_model, parse_config, read_config
+from mambakv.models.registry import packaged_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def packaged(name: str, **changes) -> dict:
+    """The packaged config of `name` with top-level `changes` (None deletes a key)."""
+    cfg = copy.deepcopy(packaged_config(name))
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    return cfg
+
+
+def one_line(e: pytest.ExceptionInfo) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg and msg
+    return msg
+
+
+# --------------------------------------------------------------------------- 1. model configs
+GRANITE_TYPES = packaged_config("granite-4.0-h-small")["layer_types"]
+
+
+def _mamba2_ssm(**ssm) -> dict:
+    cfg = packaged("mamba2-2.7b")
+    cfg["ssm_cfg"].update(ssm)
+    return cfg
+
+
+@pytest.mark.parametrize("cfg, key", [
+    # issue 18: a 4-letter pattern for 52 layers ran as a 3-layer model
+    (packaged("nemotron-h-8b", hybrid_override_pattern="M-M*"), "hybrid_override_pattern has 4 layers, "
+                                                                  "num_hidden_layers is 52"),
+    (packaged("nemotron-h-8b", hybrid_override_pattern="M-M*" * 13 + "M"), "has 53 layers"),
+    (packaged("nemotron-h-8b", hybrid_override_pattern="MXM*" * 13), "hybrid_override_pattern[1] is 'X'"),
+    (packaged("nemotron-h-8b", hybrid_override_pattern=["M"] * 52), "hybrid_override_pattern must be a string"),
+    (packaged("granite-4.0-h-small", layer_types=GRANITE_TYPES[:10]), "layer_types has 10 layers, "
+                                                                       "num_hidden_layers is 40"),
+    (packaged("granite-4.0-h-small", layer_types=GRANITE_TYPES[:39] + ["moe"]), "layer_types[39] is 'moe'"),
+    (packaged("granite-4.0-h-small", layer_types=GRANITE_TYPES[:39] + [1]), "layer_types[39] is 1"),
+    (packaged("granite-4.0-h-small", layer_types="mamba"), "layer_types must be a list, got 'mamba'"),
+    (packaged("granite-4.0-h-small", layer_types={"a": 1}), "layer_types must be a list"),
+    (packaged("qwen3-next-80b-a3b", layer_types=["full_attention"] * 47 + ["gdn"]), "layer_types[47] is 'gdn'"),
+    (packaged("jamba-v0.1", layers_block_type=["mamba"] * 31), "layers_block_type has 31 layers"),
+    # numbers: a JSON int of the right sign, never a string, float or bool
+    (packaged("qwen3-next-80b-a3b", num_hidden_layers="48"), "num_hidden_layers must be an integer, got '48'"),
+    (packaged("qwen3-next-80b-a3b", num_hidden_layers=48.0), "num_hidden_layers must be an integer, got 48.0"),
+    (packaged("qwen3-next-80b-a3b", num_hidden_layers=True), "num_hidden_layers must be an integer, got True"),
+    (packaged("qwen3-next-80b-a3b", num_hidden_layers=-4), "num_hidden_layers must be >= 1, got -4"),
+    (packaged("qwen3-next-80b-a3b", num_hidden_layers=0), "num_hidden_layers must be >= 1, got 0"),
+    # a typo of 4.8 billion layers used to build per-layer tuples without end
+    (packaged("qwen3-next-80b-a3b", num_hidden_layers=4_800_000_000), "num_hidden_layers must be <= 10,000"),
+    (packaged("mamba2-2.7b", n_layer=10_001), "n_layer must be <= 10,000, got 10,001"),
+    (packaged("granite-4.0-h-small", layer_types=None), "config.json lacks layer_types / layers_block_type"),
+    (packaged("qwen3-next-80b-a3b", num_hidden_layers=1e400), "num_hidden_layers must be an integer, got inf"),
+    (packaged("qwen3-next-80b-a3b", head_dim=0), "head_dim must be >= 1, got 0"),
+    (packaged("qwen3-next-80b-a3b", linear_conv_kernel_dim=1), "linear_conv_kernel_dim must be >= 2, got 1"),
+    (packaged("nemotron-h-8b", num_hidden_layers=52.0), "num_hidden_layers must be an integer"),
+    (packaged("nemotron-h-8b", mamba_num_heads=-128), "mamba_num_heads must be >= 1"),
+    (packaged("falcon-h1-7b", mamba_d_ssm=3000), "mamba_d_ssm 3000 != mamba_n_heads x mamba_d_head = 3072"),
+    (packaged("falcon-h1-7b", mamba_d_ssm="3072"), "mamba_d_ssm must be an integer"),
+    # issue 18: these raised ZeroDivisionError
+    (packaged("qwen3-next-80b-a3b", full_attention_interval=0), "full_attention_interval must be >= 1, got 0"),
+    (packaged("qwen3-next-80b-a3b", num_key_value_heads=0), "num_key_value_heads must be >= 1, got 0"),
+    (packaged("granite-4.0-h-small", num_attention_heads=0), "num_attention_heads must be >= 1, got 0"),
+    (packaged("jamba-v0.1", attn_layer_period=0), "attn_layer_period must be >= 1, got 0"),
+    (packaged("jamba-v0.1", attn_layer_offset=8), "attn_layer_offset 8 must be < attn_layer_period 8"),
+    (packaged("jamba-v0.1", attn_layer_offset=-1), "attn_layer_offset must be >= 0, got -1"),
+    (_mamba2_ssm(headdim=0), "ssm_cfg.headdim must be >= 1, got 0"),
+    (_mamba2_ssm(headdim=48), "expand x d_model = 5120 is not a multiple of ssm_cfg.headdim 48"),
+    (_mamba2_ssm(layer="Mamba3"), "ssm_cfg.layer is 'Mamba3'"),
+    (_mamba2_ssm(d_conv=1), "ssm_cfg.d_conv must be >= 2, got 1"),
+    (packaged("mamba2-2.7b", ssm_cfg=[1]), "ssm_cfg must be an object"),
+    (packaged("mamba2-2.7b", attn_layer_idx=[64]), "attn_layer_idx must list distinct layer indices in 0 .. 63"),
+    (packaged("mamba2-2.7b", attn_layer_idx=[3, 3]), "attn_layer_idx must list distinct"),
+    (packaged("mamba2-2.7b", attn_layer_idx=[3], attn_cfg={"num_heads": 8}), "config.json lacks attn_cfg.head_dim"),
+    # granite derives head_dim = hidden_size / heads: 4096 / 3 does not divide
+    (packaged("granite-4.0-h-small", num_attention_heads=3), "hidden_size 4096 is not a multiple of"),
+    (packaged("qwen3-next-80b-a3b", model_type=7), "model_type must be a string"),
+    (packaged("qwen3-next-80b-a3b", model_type="llama"), "unsupported model_type 'llama'"),
+    (packaged("qwen3-next-80b-a3b", torch_dtype="float13"), "config.json: "),
+    (packaged("qwen3-next-80b-a3b", full_attention_interval=1), "not a hybrid model"),
+    ([1, 2, 3], "config.json must be a JSON object, got list"),  # raised AttributeError
+    ("qwen", "config.json must be a JSON object, got str"),
+])
+def test_bad_config_one_line_naming_the_key(cfg, key):
+    with pytest.raises(ModelConfigError) as e:
+        parse_config(cfg, "folder-name")
+    msg = one_line(e)
+    assert key in msg
+    assert "folder-name" not in msg  # the folder is not the model's name: no prefix
+
+
+def test_negative_layer_count_is_not_called_non_hybrid():
+    with pytest.raises(ModelConfigError) as e:
+        parse_config(packaged("jamba-v0.1", num_hidden_layers=-3))
+    assert "not a hybrid" not in str(e.value) and "num_hidden_layers" in str(e.value)
+
+
+@pytest.mark.parametrize("text, why", [
+    ("[1, 2]", "must be a JSON object"), ("{", "cannot read"), ("", "cannot read"), ("null", "got NoneType"),
+])
+def test_read_config_bad_json(tmp_path, text, why):
+    d = tmp_path / "my-model"
+    d.mkdir()
+    (d / "config.json").write_text(text)
+    with pytest.raises(ModelConfigError) as e:
+        read_config(d)
+    assert why in one_line(e)
+    with pytest.raises(ModelConfigError):
+        load_model(str(d / "config.json"))
+
+
+def test_read_config_unreadable_files(tmp_path):
+    (tmp_path / "empty-dir").mkdir()
+    with pytest.raises(ModelConfigError, match="cannot read .*config.json"):
+        read_config(tmp_path / "empty-dir")  # a folder without config.json
+    bad = tmp_path / "binary" / "config.json"
+    bad.parent.mkdir()
+    bad.write_bytes(b"\xff\xfe{")
+    with pytest.raises(ModelConfigError, match="cannot read"):
+        read_config(bad)
+    nan = tmp_path / "nan" / "config.json"  # Python's json reads NaN: still not a count
+    nan.parent.mkdir()
+    nan.write_text(json.dumps(packaged("jamba-v0.1")).replace('"num_hidden_layers": 32', '"num_hidden_layers": NaN'))
+    with pytest.raises(ModelConfigError, match="num_hidden_layers must be an integer, got nan"):
+        read_config(nan)
+
+
+@pytest.mark.parametrize("name", ["../configs/jamba-v0.1", "nosuch", "", 7])
+def test_packaged_config_only_takes_packaged_names(name):
+    with pytest.raises(ModelConfigError, match="unknown model"):
+        packaged_config(name)
+
+
+# --------------------------------------------------------------------------- 2. the CLI
+def write_config(tmp_path: Path, cfg) -> str:
+    d = tmp_path / "some-folder"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d / "config.json")
+
+
+def cli_error(capsys) -> str:
+    captured = capsys.readouterr()
+    err = captured.err
+    assert err.count("\n") == 1, err
+    assert err.startswith("mambakv: error: ") and "Traceback" not in err
+    assert captured.out == ""
+    return err
+
+
+@pytest.mark.parametrize("cfg, why", [
+    (packaged("nemotron-h-8b", hybrid_override_pattern="M-M*"), "hybrid_override_pattern has 4 layers"),
+    (packaged("qwen3-next-80b-a3b", full_attention_interval=0), "full_attention_interval must be >= 1"),
+    (packaged("qwen3-next-80b-a3b", num_key_value_heads=0), "num_key_value_heads must be >= 1"),
+    (packaged("jamba-v0.1", attn_layer_period=0), "attn_layer_period must be >= 1"),
+    (_mamba2_ssm(headdim=0), "ssm_cfg.headdim must be >= 1"),
+    (packaged("qwen3-next-80b-a3b", num_hidden_layers="48"), "must be an integer"),
+    ([1, 2], "must be a JSON object"),
+])
+def test_cli_bad_config_exit_2(tmp_path, capsys, cfg, why):
+    path = write_config(tmp_path, cfg)
+    assert main(["replay", "--config", path, "--prompt-tokens", "100"]) == 2
+    err = cli_error(capsys)
+    assert why in err and "some-folder:" not in err
+
+
+def test_cli_bad_config_subprocess_no_traceback(tmp_path):
+    path = write_config(tmp_path, packaged("jamba-v0.1", attn_layer_period=0))
+    out = subprocess.run([sys.executable, "-m", "mambakv", "replay", "--config", path], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == "mambakv: error: config.json: attn_layer_period must be >= 1, got 0\n"
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["replay", "--config", "{cfg}"], "config.json must be a JSON object, got list"),
+    (["trace", "{tmp}/missing.jsonl"], "cannot read trace"),
+    (["replay", "--plot", "{tmp}/x.txt"], "the file name must end in"),
+    (["replay", "--plot", "{tmp}/no/such/x.png"], "does not exist"),
+    (["replay", "--memory-gib", "8"], "needs about 905 blocks"),
+    (["replay", "--memory-gib", "nan"], "--memory-gib"),
+    (["replay", "--model", "nosuch"], "unknown model 'nosuch'"),
+    (["models", "--bogus"], "unrecognized arguments"),
+])
+def test_cli_subprocess_one_line_exit_2(tmp_path, argv, why):
+    cfg = write_config(tmp_path, [1, 2])
+    argv = [a.format(cfg=cfg, tmp=tmp_path) for a in argv]
+    if "--plot" in argv:
+        pytest.importorskip("matplotlib")
+    out = subprocess.run([sys.executable, "-m", "mambakv", *argv], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stdout == "" and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("mambakv: error: ") and why in out.stderr
+
+
+# --------------------------------------------------------------------------- 3. coordinator / pool
+# Reserved for the core engineer (coordinator.py, groups/, hits.py, core/block_pool.py are being
+# restructured on another branch): bad calls into KVCacheCoordinator and BlockPool belong here,
+# each asserting a one-line MambaKVError subclass raised before any state changes.
+def test_errors_are_mambakv_errors():
+    assert issubclass(ModelConfigError, MambaKVError) and issubclass(ModelConfigError, ValueError)
+
+
+def test_every_error_class_is_exported():
+    # InvalidCopyPlanError (MambaStatePool's) was missing from `mambakv`
+    import mambakv
+    import mambakv.core.errors as errors
+
+    classes = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, MambaKVError)}
+    assert "InvalidCopyPlanError" in classes and len(classes) == 14
+    for name in classes:
+        assert name in mambakv.__all__ and getattr(mambakv, name) is getattr(errors, name)
