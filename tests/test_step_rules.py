@@ -34,7 +34,7 @@ def _async_decode(num_draft_tokens):
     req = Request("r", tokens(8))
     admit(coord, req)                                   # prefill 8: samples token 9
     pending = 8                                         # processed once the prefill's output is back
-    for step in range(40):
+    for _ in range(40):
         kw = {} if num_draft_tokens is None else {"num_draft_tokens": num_draft_tokens}
         assert coord.allocate(req, 1, **kw) is not None  # 1 token beyond the known ones
         req.num_computed_tokens += 1
