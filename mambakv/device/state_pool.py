@@ -49,7 +49,8 @@ class CopyBackend(str, enum.Enum):
       ``index_fill_``); always available.
     * ``TRITON``: one fused Triton launch for all pairs and layers (:mod:`mambakv.device.fused_copy`);
       CUDA, or CPU under Triton's interpreter.
-    * ``AUTO``: ``TRITON`` when triton is installed and the pool is on CUDA, else ``TORCH``.
+    * ``AUTO``: ``TRITON`` when triton is installed, the pool is on CUDA and its rows can be
+      fused (dense byte rows: always for pools mambakv allocates), else ``TORCH``.
     """
 
     TORCH = "torch"
@@ -209,14 +210,16 @@ class MambaStatePool:
         except ValueError:
             raise InvalidSpecError(f"copy_backend must be one of "
                                    f"{[b.value for b in CopyBackend]}, got {copy_backend!r}") from None
-        if backend is CopyBackend.AUTO:
-            backend = (CopyBackend.TRITON if self.device.type == "cuda"
-                       and fused_copy.triton_available() else CopyBackend.TORCH)
-        self._fused = None
+        targets = self._rows if self._rows is not None else [t for s in self._states for t in s]
+        self._fused, self._backend = None, CopyBackend.TORCH
         if backend is CopyBackend.TRITON:
-            targets = self._rows if self._rows is not None else [t for s in self._states for t in s]
-            self._fused = fused_copy.FusedRowCopy(targets)
-        self._backend = backend
+            self._fused, self._backend = fused_copy.FusedRowCopy(targets), backend
+        elif (backend is CopyBackend.AUTO and self.device.type == "cuda"
+              and fused_copy.triton_available()):
+            try:  # views whose rows are not dense byte runs stay on torch
+                self._fused, self._backend = fused_copy.FusedRowCopy(targets), CopyBackend.TRITON
+            except InvalidSpecError:
+                pass
 
     @property
     def copy_backend(self) -> CopyBackend:
@@ -374,16 +377,19 @@ class MambaStatePool:
             self._fused.zero_rows(sorted(set(ids)))
             return
         idx = self._index(ids)
-        targets = self._rows if self._rows is not None else [t for s in self._states for t in s]
+        # as integers: torch has no index_fill_ for float8 tensors
+        targets = self._rows if self._rows is not None else [_wide_rows(t) for s in self._states for t in s]
         for t in targets:
             t.index_fill_(0, idx, 0)
 
     def check_invariants(self) -> None:
-        """Assert shapes, dtypes and devices match the spec and row 0 (null) is all zero."""
+        """Assert shapes, dtypes and devices match the spec and row 0 (null) is all zero bytes
+        (compared as bytes: torch counts no non-zeros of float8 tensors, and -0.0 is a write)."""
         self._check_layout()
         for layer, states in enumerate(self._states):
             for i, t in enumerate(states):
-                assert int(torch.count_nonzero(t[0])) == 0, f"layer {layer} state {i}: row 0 written"
+                row = t[0].reshape(-1).view(torch.uint8)
+                assert int(torch.count_nonzero(row)) == 0, f"layer {layer} state {i}: row 0 written"
 
     def __repr__(self) -> str:
         return (f"MambaStatePool(layers={self.num_layers}, blocks={self.num_blocks}, "
