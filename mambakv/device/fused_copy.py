@@ -30,6 +30,7 @@ speed).  ``TRITON_INTERPRET`` does not change this choice (see ``_fused_copy_ker
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 from collections.abc import Sequence
@@ -45,6 +46,8 @@ TILE_BYTES = 16384
 """Bytes one program moves (a power of two); with 4 warps, 128 B per thread."""
 
 NUM_WARPS = 4
+
+_MAX_GRID_X = 2**31 - 1  # CUDA's limit on grid dimension x; larger plans launch in chunks
 
 
 @functools.cache
@@ -122,6 +125,7 @@ class FusedRowCopy:
         """Bytes per element the kernel moves (1, 2, 4 or 8)."""
         self.vec = align // self.elem_size  # 2 when everything is 16-byte aligned, else 1
         self.device = device
+        self._tensors = tuple(tensors)  # the table holds their addresses: keep them alive
         self.num_rows = num_rows
         self.row_lengths = tuple(e[2] for e in entries)
         """Bytes per row of each tensor, in table order."""
@@ -150,10 +154,15 @@ class FusedRowCopy:
         if not num_pairs or not self._num_tiles:
             return
         idx = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        grid = (num_pairs * self._num_tiles, self.num_entries)
-        self._kernel[grid](self._table, idx, 0 if zero else num_pairs, self._num_tiles,
-                           BLOCK=self._block, ELEM=self._elem, VEC=self.vec,
-                           ALIGN_BYTES=self._align_bytes, ZERO=zero, num_warps=self._num_warps)
+        chunk = max(1, _MAX_GRID_X // self._num_tiles)  # pairs per launch (one launch in practice)
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            for start in range(0, num_pairs, chunk):  # Triton launches on the current device
+                grid = (min(chunk, num_pairs - start) * self._num_tiles, self.num_entries)
+                self._kernel[grid](self._table, idx[start:],
+                                   0 if zero else num_pairs, self._num_tiles,
+                                   BLOCK=self._block, ELEM=self._elem, VEC=self.vec,
+                                   ALIGN_BYTES=self._align_bytes, ZERO=zero,
+                                   num_warps=self._num_warps)
 
     def copy_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Row ``dst[k]`` <- row ``src[k]`` in every tensor, one launch.
