@@ -43,7 +43,7 @@ from mambakv.core.errors import InvalidSpecError
 __all__ = ["TILE_BYTES", "FusedRowCopy", "triton_available"]
 
 TILE_BYTES = 16384
-"""Bytes one program moves (a power of two); with 4 warps, 128 B per thread."""
+"""Bytes one program moves at most (a power of two); with 4 warps, 128 B per thread."""
 
 NUM_WARPS = 4
 
@@ -82,7 +82,8 @@ class FusedRowCopy:
             ``t.stride(0)`` elements, not overlapping).  Row ``b`` of every tensor is block
             ``b``.  The tensors must not share bytes with each other (layers of a pool never do).
         tile_bytes: bytes one program moves (a power of two >= 16; default :data:`TILE_BYTES`).
-        num_warps: warps per program on the GPU (ignored by the interpreter).
+        num_warps: warps per program on the GPU, at most (fewer for short rows, so that every
+            thread moves at least one 16-byte vector; ignored by the interpreter).
 
     Raises:
         InvalidSpecError: triton is not installed, no tensors, tensors on different devices or
@@ -131,13 +132,15 @@ class FusedRowCopy:
         """Bytes per row of each tensor, in table order."""
         self._elem = mod.triton_dtype(self.elem_size)
         self._align_bytes = align if self.vec > 1 else self.elem_size
-        self._num_warps = num_warps
         e = self.elem_size
         self._table = torch.tensor([(a, s // e, n // e) for a, s, n in entries],
                                    dtype=torch.int64).to(device)
         longest = max(self.row_lengths) // e
         block = min(tile_bytes // e, 1 << max(longest - 1, 0).bit_length())
-        self._block = max(block, 16)  # a masked tail is cheaper than tiny aranges
+        # at least one 16-byte access (or one element) per thread of a warp: a masked tail is
+        # cheaper than idle threads, and a thread with under VEC elements cannot vectorise
+        self._block = max(block, 32 * self.vec)
+        self._num_warps = max(1, min(num_warps, self._block // (32 * self.vec)))
         self._num_tiles = -(-longest // self._block) if longest else 0
 
     @property
@@ -180,4 +183,4 @@ class FusedRowCopy:
     def __repr__(self) -> str:
         return (f"FusedRowCopy(entries={self.num_entries}, rows={self.num_rows}, "
                 f"elem={self.elem_size} B x {self.vec}, block={self._block}, "
-                f"tiles={self._num_tiles}, device={self.device})")
+                f"tiles={self._num_tiles}, warps={self._num_warps}, device={self.device})")
