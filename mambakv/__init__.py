@@ -50,7 +50,7 @@ from mambakv.hits import KVCacheBlocks, PrefixCacheStats
 
 __version__ = "0.1.0"
 
-_LAZY = {"MambaStatePool": "mambakv.device.state_pool"}
+_LAZY = {"MambaStatePool": "mambakv.device.state_pool", "CopyBackend": "mambakv.device.state_pool"}
 
 
 def __getattr__(name: str) -> Any:
@@ -62,7 +62,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "AllBlocksCleared", "BlockNotFreeError", "BlockPool", "BlockRemoved", "BlockStored", "DoubleFreeError",
+    "AllBlocksCleared", "BlockNotFreeError", "BlockPool", "BlockRemoved", "BlockStored", "CopyBackend", "DoubleFreeError",
     "FreeBlockQueue", "FullAttentionManager", "FullAttentionSpec", "HashBlockSizeMismatchError",
     "InvalidBlockError", "InvalidCopyPlanError", "InvalidDraftCountError", "InvalidRequestError", "InvalidSpecError", "InvalidTokenCountError", "KVCacheBlock", "KVCacheBlocks",
     "KVCacheConfig", "KVCacheCoordinator", "KVCacheGroupSpec", "KVCacheSpec", "LazyMambaManager", "MambaCacheMode",

@@ -1,6 +1,12 @@
-"""MambaStatePool: shapes, batched copies against a per-pair reference, validation, zeroing."""
+"""MambaStatePool: shapes, batched copies against a per-pair reference, validation, zeroing.
+
+``MAMBAKV_TEST_DEVICE=cuda`` runs these tests on a GPU (``bench/device_check.py`` does); the
+default is CPU.
+"""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -8,8 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mambakv.core.errors import InvalidCopyPlanError, InvalidSpecError, MambaKVError
-from mambakv.core.spec import MambaSpec
-from mambakv.device.state_pool import MambaStatePool, export_block_table, export_block_tables
+from mambakv.core.spec import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+from mambakv.device import fused_copy
+from mambakv.device.layout import HybridLayout
+from mambakv.device.state_pool import CopyBackend, MambaStatePool, export_block_table, export_block_tables
+
+DEVICE = torch.device(os.environ.get("MAMBAKV_TEST_DEVICE", "cpu"))
 
 # A tiny GDN-like layer: conv (d_conv - 1 = 3, 8 channels) bf16 = 48 B, SSM (2, 4, 4) fp32 = 128 B.
 SPEC = MambaSpec(16, ((3, 8), (2, 4, 4)), ("bfloat16", "float32"))
@@ -20,13 +30,13 @@ ODD_SPEC = MambaSpec(16, ((3, 3), (2, 5)), ("bfloat16", "float32"))
 
 
 def filled_pool(spec: MambaSpec = SPEC, layers: int = 3, blocks: int = 10, *, seed: int = 0,
-                **kw) -> MambaStatePool:
-    pool = MambaStatePool(spec, layers, blocks, "cpu", **kw)
+                device: torch.device | str = DEVICE, **kw) -> MambaStatePool:
+    pool = MambaStatePool(spec, layers, blocks, device, **kw)
     g = torch.Generator().manual_seed(seed)
     for layer in range(layers):
         for i in range(pool.num_states):
             t = pool.state(layer, i)
-            t[1:] = torch.randn(t[1:].shape, generator=g).to(t.dtype)
+            t[1:] = torch.randn(t[1:].shape, generator=g).to(t.dtype).to(t.device)
     pool.check_invariants()
     return pool
 
@@ -52,11 +62,11 @@ def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 
 
 def test_shapes_dtypes_device_and_bytes():
-    pool = MambaStatePool(SPEC, 3, 10, "cpu")
+    pool = MambaStatePool(SPEC, 3, 10, DEVICE)
     assert pool.conv_state(0).shape == (10, 3, 8) and pool.conv_state(0).dtype == torch.bfloat16
     assert pool.ssm_state(2).shape == (10, 2, 4, 4) and pool.ssm_state(2).dtype == torch.float32
     assert pool.state(1, 1) is pool.ssm_state(1)
-    assert pool.device == torch.device("cpu")
+    assert pool.device.type == DEVICE.type
     assert (pool.num_layers, pool.num_blocks, pool.num_states) == (3, 10, 2)
     assert pool.bytes_per_block == 3 * RAW_PAGE  # 528
     padded = MambaStatePool(MambaSpec(16, SPEC.shapes, SPEC.dtypes, page_size_padded=256), 3, 4)
@@ -86,7 +96,7 @@ def test_copy_over_given_views():
     base = filled_pool()
     views = [[base.state(layer, i)[:, ...] for i in range(2)] for layer in range(3)]
     pool = MambaStatePool(SPEC, 3, 10, views=views)
-    assert pool.device == torch.device("cpu") and pool.ssm_state(0).data_ptr() == \
+    assert pool.device.type == DEVICE.type and pool.ssm_state(0).data_ptr() == \
         base.ssm_state(0).data_ptr()
     before = snapshot(pool)
     pool.copy_([(2, 8), (5, 1)])
@@ -163,7 +173,7 @@ def test_bad_construction():
     lambda p: p.state(1.0, 0), lambda p: p.conv_state(True), lambda p: p.conv_state("0"),
 ])
 def test_layer_or_state_index_out_of_range_raises(call):
-    pool = MambaStatePool(SPEC, 3, 4, "cpu")
+    pool = MambaStatePool(SPEC, 3, 4, DEVICE)
     with pytest.raises(InvalidSpecError) as e:
         call(pool)
     assert isinstance(e.value, MambaKVError)  # was a bare IndexError
@@ -201,10 +211,50 @@ def test_random_valid_plans_match_reference(data):
     pool.check_invariants()
 
 
+def test_copy_backend_choice_without_triton(monkeypatch):
+    assert MambaStatePool(SPEC, 1, 4, DEVICE).copy_backend is CopyBackend.TORCH  # the default
+    cpu = MambaStatePool(SPEC, 1, 4, "cpu", copy_backend="auto")
+    assert cpu.copy_backend is CopyBackend.TORCH  # auto: triton only on CUDA
+    monkeypatch.setattr(fused_copy, "triton_available", lambda: False)
+    for device in ("cpu", DEVICE):
+        pool = MambaStatePool(SPEC, 1, 4, device, copy_backend=CopyBackend.AUTO)
+        assert pool.copy_backend is CopyBackend.TORCH
+        pool.copy_([(1, 2)])
+        with pytest.raises(InvalidSpecError, match="mambakv\\[triton\\]"):
+            MambaStatePool(SPEC, 1, 4, device, copy_backend="triton")
+    for bad in ("cuda", "fused", None, 3):
+        with pytest.raises(InvalidSpecError):
+            MambaStatePool(SPEC, 1, 4, "cpu", copy_backend=bad)
+    with pytest.raises(InvalidSpecError):
+        HybridLayout(KVCacheConfig(4, [KVCacheGroupSpec(["m0"], SPEC)]), "cpu", copy_backend="fused")
+    assert "copy_backend=torch" in repr(cpu)
+
+
+def test_float8_states_zero_and_check():
+    spec = MambaSpec(16, ((3, 3), (2, 5)), ("float8_e4m3fn", "float8_e5m2"))
+    pool = MambaStatePool(spec, 2, 5, DEVICE)
+    for layer in range(2):
+        for t in pool.layer_states(layer):
+            t.view(torch.uint8)[1:] = 0x11
+    pool.copy_([(1, 3)])
+    pool.zero_([2])
+    assert pool.conv_state(1)[2].view(torch.uint8).count_nonzero() == 0
+    assert pool.ssm_state(1)[3].view(torch.uint8).eq(0x11).all()
+    pool.check_invariants()
+    pool.conv_state(0)[0].view(torch.uint8)[0, 0] = 1
+    with pytest.raises(AssertionError):
+        pool.check_invariants()
+
+
+BACKENDS = ["torch", "auto"] + (["triton"] if fused_copy.triton_available() else [])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_copy_matches_cpu():
-    cpu = filled_pool()
-    gpu = MambaStatePool(SPEC, 3, 10, "cuda")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_copy_matches_cpu(backend):
+    cpu = filled_pool(device="cpu")
+    gpu = MambaStatePool(SPEC, 3, 10, "cuda", copy_backend=backend)
+    assert gpu.copy_backend is (CopyBackend.TORCH if backend == "torch" else CopyBackend.TRITON)
     for layer in range(3):
         for i in range(2):
             gpu.state(layer, i).copy_(cpu.state(layer, i))

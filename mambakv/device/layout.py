@@ -29,7 +29,13 @@ import torch
 
 from mambakv.core.errors import InvalidSpecError
 from mambakv.core.spec import DTYPE_SIZES, AttentionSpec, KVCacheConfig, MambaSpec
-from mambakv.device.state_pool import MambaStatePool, carve_state_views, default_device, torch_dtype
+from mambakv.device.state_pool import (
+    CopyBackend,
+    MambaStatePool,
+    carve_state_views,
+    default_device,
+    torch_dtype,
+)
 
 __all__ = ["HybridLayout", "check_uniform_page_size"]
 
@@ -60,13 +66,20 @@ class HybridLayout:
     Args:
         kv_cache_config: groups with one common page size (see :func:`check_uniform_page_size`).
         device: defaults to CUDA when present, else CPU.
+        copy_backend: the :class:`~mambakv.device.state_pool.CopyBackend` of the Mamba groups'
+            state pools (default ``"torch"``; ``"auto"`` = Triton when installed and on CUDA).
 
     Memory: ``group_size x num_blocks x page_size_bytes`` bytes, zero-filled (so the null
     block's row reads as zero in every view).
     """
 
-    def __init__(self, kv_cache_config: KVCacheConfig, device: Any = None) -> None:
+    def __init__(self, kv_cache_config: KVCacheConfig, device: Any = None, *,
+                 copy_backend: CopyBackend | str = CopyBackend.TORCH) -> None:
         self.config = kv_cache_config
+        try:
+            self.copy_backend = CopyBackend(copy_backend)
+        except ValueError:
+            raise InvalidSpecError(f"unknown copy_backend {copy_backend!r}") from None
         self.group_size, self.page_size_bytes = check_uniform_page_size(kv_cache_config)
         self.num_blocks = kv_cache_config.num_blocks
         self.device = torch.device(device) if device is not None else default_device()
@@ -131,7 +144,8 @@ class HybridLayout:
 
     def state_pool(self, group_id: int) -> MambaStatePool:
         """The :class:`MambaStatePool` of Mamba group ``group_id`` over this layout's memory
-        (built once; its copies move whole byte rows of the group's raw tensors)."""
+        (built once, with the layout's ``copy_backend``; its copies move whole byte rows of the
+        group's raw tensors and never touch rows or padding bytes of other groups)."""
         if group_id not in self._pools:
             groups = self.config.kv_cache_groups
             if not 0 <= group_id < len(groups):
@@ -140,7 +154,8 @@ class HybridLayout:
             if not isinstance(spec, MambaSpec):
                 raise InvalidSpecError(f"group {group_id} is not a Mamba group")
             n = len(groups[group_id].layer_names)
-            self._pools[group_id] = MambaStatePool.from_raw(spec, self.raw[:n])
+            self._pools[group_id] = MambaStatePool.from_raw(spec, self.raw[:n],
+                                                            copy_backend=self.copy_backend)
         return self._pools[group_id]
 
     def mamba_group_ids(self) -> list[int]:

@@ -14,12 +14,21 @@ offsets of each row, exactly vLLM's hybrid layout.  A state copy then moves one 
 row per layer: two torch calls per layer, whatever the number of pairs.  Views given with
 ``views=`` (arbitrary tensors) are copied state tensor by state tensor instead.
 
+Copy backends (:class:`CopyBackend`, keyword ``copy_backend``): ``torch`` (the default) gathers
+the source rows into a scratch buffer and scatters them, so every byte moves twice; ``triton``
+runs :class:`~mambakv.device.fused_copy.FusedRowCopy`, one launch for all pairs and all layers
+that reads each source row once and writes each destination once (needs ``pip install
+'mambakv[triton]'``; on CPU tensors it runs under Triton's interpreter, for tests); ``auto``
+picks ``triton`` when it is installed and the pool is on CUDA, else ``torch``.  The plan rules
+are checked once, on the host, before either backend writes anything.
+
 Row 0 is the null block: it is never written (``copy_`` refuses it as a destination, ``zero_``
 refuses it) and exported to kernels as ``-1`` (:func:`export_block_table`).
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Sequence
 from numbers import Integral
@@ -30,7 +39,23 @@ import torch
 from mambakv.core.errors import InvalidCopyPlanError, InvalidSpecError
 from mambakv.core.spec import DTYPE_SIZES, MambaSpec
 
-__all__ = ["MambaStatePool", "export_block_table", "export_block_tables", "torch_dtype"]
+__all__ = ["CopyBackend", "MambaStatePool", "export_block_table", "export_block_tables", "torch_dtype"]
+
+
+class CopyBackend(str, enum.Enum):
+    """How :class:`MambaStatePool` runs ``copy_`` and ``zero_``.
+
+    * ``TORCH``: per layer, ``index_select`` into a scratch buffer then ``index_copy_`` (or
+      ``index_fill_``); always available.
+    * ``TRITON``: one fused Triton launch for all pairs and layers (:mod:`mambakv.device.fused_copy`);
+      CUDA, or CPU under Triton's interpreter.
+    * ``AUTO``: ``TRITON`` when triton is installed, the pool is on CUDA and its rows can be
+      fused (dense byte rows: always for pools mambakv allocates), else ``TORCH``.
+    """
+
+    TORCH = "torch"
+    TRITON = "triton"
+    AUTO = "auto"
 
 
 def torch_dtype(dtype: Any) -> torch.dtype:
@@ -124,15 +149,18 @@ class MambaStatePool:
         device: defaults to CUDA when present, else CPU (or the device of ``views``).
         views: optional ``views[layer][state]`` tensors of shape ``[num_blocks, *shape]`` (e.g.
             views into shared raw memory); the pool then allocates nothing.
+        copy_backend: a :class:`CopyBackend` or its value (``"torch"``, ``"triton"``,
+            ``"auto"``); default ``"torch"``.  :attr:`copy_backend` tells the one chosen.
 
     Raises:
-        InvalidSpecError: a non-positive count, or views of the wrong number, shape, dtype or
-            device.
+        InvalidSpecError: a non-positive count, views of the wrong number, shape, dtype or
+            device, an unknown backend, or ``"triton"`` where it cannot run (triton not
+            installed, a device other than CUDA/CPU, views whose rows are not dense).
     """
 
     def __init__(self, kv_cache_spec: MambaSpec, num_layers: int, num_blocks: int,
-                 device: Any = None, *, views: Sequence[Sequence[torch.Tensor]] | None = None
-                 ) -> None:
+                 device: Any = None, *, views: Sequence[Sequence[torch.Tensor]] | None = None,
+                 copy_backend: CopyBackend | str = CopyBackend.TORCH) -> None:
         if not isinstance(kv_cache_spec, MambaSpec):
             raise InvalidSpecError(f"kv_cache_spec must be a MambaSpec, got {kv_cache_spec!r}")
         if num_layers <= 0 or num_blocks < 2:
@@ -153,17 +181,50 @@ class MambaStatePool:
                 first.device if first is not None else default_device())
             self._states = [tuple(layer) for layer in views]
         self._check_layout()
+        self._fused: Any = None  # a FusedRowCopy when the backend is TRITON
+        self._backend = CopyBackend.TORCH
+        self._init_backend(copy_backend)
 
     @classmethod
-    def from_raw(cls, kv_cache_spec: MambaSpec, raw: Sequence[torch.Tensor]) -> MambaStatePool:
+    def from_raw(cls, kv_cache_spec: MambaSpec, raw: Sequence[torch.Tensor], *,
+                 copy_backend: CopyBackend | str = CopyBackend.TORCH) -> MambaStatePool:
         """A pool over per-layer raw byte tensors ``raw[layer]`` (uint8 ``[num_blocks, >= page]``),
-        as laid out by :class:`mambakv.device.layout.HybridLayout`; copies move whole byte rows."""
+        as laid out by :class:`mambakv.device.layout.HybridLayout`; copies move whole byte rows
+        (bytes ``[0, raw_page_size_bytes)`` of a row: the padding after the states is never
+        written).  ``copy_backend`` as in the constructor; raises InvalidSpecError likewise."""
         if not raw:
             raise InvalidSpecError("from_raw needs at least one raw tensor")
         views = [carve_state_views(r, kv_cache_spec) for r in raw]
         pool = cls(kv_cache_spec, len(raw), raw[0].shape[0], raw[0].device, views=views)
         pool._rows = [_wide_rows(r[:, : kv_cache_spec.raw_page_size_bytes]) for r in raw]
+        pool._init_backend(copy_backend)
         return pool
+
+    def _init_backend(self, copy_backend: CopyBackend | str) -> None:
+        """Resolve ``copy_backend`` and, for TRITON, build the fused copier's address table over
+        the per-layer byte rows (or, without them, over every state tensor)."""
+        from mambakv.device import fused_copy
+
+        try:
+            backend = CopyBackend(copy_backend)
+        except ValueError:
+            raise InvalidSpecError(f"copy_backend must be one of "
+                                   f"{[b.value for b in CopyBackend]}, got {copy_backend!r}") from None
+        targets = self._rows if self._rows is not None else [t for s in self._states for t in s]
+        self._fused, self._backend = None, CopyBackend.TORCH
+        if backend is CopyBackend.TRITON:
+            self._fused, self._backend = fused_copy.FusedRowCopy(targets), backend
+        elif (backend is CopyBackend.AUTO and self.device.type == "cuda"
+              and fused_copy.triton_available()):
+            try:  # views whose rows are not dense byte runs stay on torch
+                self._fused, self._backend = fused_copy.FusedRowCopy(targets), CopyBackend.TRITON
+            except InvalidSpecError:
+                pass
+
+    @property
+    def copy_backend(self) -> CopyBackend:
+        """The backend ``copy_`` and ``zero_`` run on: TORCH or TRITON (AUTO resolved)."""
+        return self._backend
 
     def _allocate(self) -> list[tuple[torch.Tensor, ...]]:
         spec, n = self.kv_cache_spec, self.num_blocks
@@ -251,9 +312,12 @@ class MambaStatePool:
     def copy_(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy the state of block ``src`` into block ``dst`` for every pair, in every layer.
 
-        The pairs run as one gather/scatter (``dst_rows = src_rows``): a constant number of
-        torch calls per layer, none per pair.  Empty ``pairs`` is a no-op.  A pair ``(b, b)``
-        is allowed and does nothing.
+        TORCH backend: the pairs run as one gather/scatter (``dst_rows = src_rows``): a constant
+        number of torch calls per layer, none per pair.  TRITON backend: one launch for all pairs
+        and layers, each source row read once and each destination written once.  Bytes moved:
+        ``len(pairs) x num_layers x spec.raw_page_size_bytes`` (read and written once each by
+        TRITON, twice by TORCH).  Empty ``pairs`` is a no-op.  A pair ``(b, b)`` is allowed and
+        does nothing.
 
         Raises:
             InvalidCopyPlanError (before anything is written): a non-int or out-of-range id, a
@@ -277,6 +341,10 @@ class MambaStatePool:
             raise InvalidCopyPlanError(f"copy_ writes a block twice: {list(pairs)}")
         if any(s != d and s in dst_set for s, d in zip(src, dst)):
             raise InvalidCopyPlanError(f"copy_ reads a block another pair writes: {list(pairs)}")
+        if self._fused is not None:  # the plan is valid: all pairs may run concurrently
+            moved = [(s, d) for s, d in zip(src, dst) if s != d]
+            self._fused.copy_rows([s for s, _ in moved], [d for _, d in moved])
+            return
         src_t, dst_t = self._index(src), self._index(dst)
         if self._rows is not None:
             like = self._rows[0]
@@ -305,19 +373,25 @@ class MambaStatePool:
         self._check_ids(ids, "zero_")
         if 0 in ids:
             raise InvalidCopyPlanError("zero_ would write the null block 0")
+        if self._fused is not None:
+            self._fused.zero_rows(sorted(set(ids)))
+            return
         idx = self._index(ids)
-        targets = self._rows if self._rows is not None else [t for s in self._states for t in s]
+        # as integers: torch has no index_fill_ for float8 tensors
+        targets = self._rows if self._rows is not None else [_wide_rows(t) for s in self._states for t in s]
         for t in targets:
             t.index_fill_(0, idx, 0)
 
     def check_invariants(self) -> None:
-        """Assert shapes, dtypes and devices match the spec and row 0 (null) is all zero."""
+        """Assert shapes, dtypes and devices match the spec and row 0 (null) is all zero bytes
+        (compared as bytes: torch counts no non-zeros of float8 tensors, and -0.0 is a write)."""
         self._check_layout()
         for layer, states in enumerate(self._states):
             for i, t in enumerate(states):
-                assert int(torch.count_nonzero(t[0])) == 0, f"layer {layer} state {i}: row 0 written"
+                row = t[0].reshape(-1).view(torch.uint8)
+                assert int(torch.count_nonzero(row)) == 0, f"layer {layer} state {i}: row 0 written"
 
     def __repr__(self) -> str:
         return (f"MambaStatePool(layers={self.num_layers}, blocks={self.num_blocks}, "
                 f"shapes={self.kv_cache_spec.shapes}, dtypes={self.kv_cache_spec.dtypes}, "
-                f"device={self.device})")
+                f"device={self.device}, copy_backend={self._backend.value})")
