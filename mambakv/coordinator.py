@@ -32,12 +32,27 @@ from mambakv.core.errors import (
 )
 from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheConfig
-from mambakv.groups import LazyMambaManager, MambaManager, SingleTypeKVCacheManager, make_manager
+from mambakv.groups import GroupKind, LazyMambaManager, MambaManager, SingleTypeKVCacheManager, make_manager
 from mambakv.hits import PrefixCacheStats, PrefixHitFinder
 from mambakv.plans import KVCacheBlocks
 from mambakv.request_state import RequestState, check_computed
 
-__all__ = ["KVCacheCoordinator"]
+__all__ = ["KVCacheCoordinator", "share_identical_policies"]
+
+
+def share_identical_policies(managers: Sequence[SingleTypeKVCacheManager]) -> tuple[SingleTypeKVCacheManager, ...]:
+    """Let Mamba groups with an identical spec share one policy (the first one's): their
+    tables evolve in lockstep, so per-request work is done once for every block column (a
+    Qwen3-Next step does it once, not three times). Returns the managers that run a policy,
+    config order. Attention groups and lazy Mamba groups keep one policy each."""
+    leaders: dict[object, list[MambaManager]] = {}
+    for m in managers:
+        if type(m) is MambaManager:
+            leaders.setdefault(m.kv_cache_spec, []).append(m)
+    for same in leaders.values():
+        if len(same) > 1:
+            same[0].share_policy(same[1:])
+    return tuple(m for m in managers if not m.is_follower)
 
 
 class KVCacheCoordinator(CoordinatorQueries):
@@ -85,7 +100,11 @@ class KVCacheCoordinator(CoordinatorQueries):
         self.mamba_managers = tuple(m for m in self.managers if isinstance(m, MambaManager))
         #: ALIGN_LAZY groups: told the computed tokens, and given spares last
         self.lazy_managers = tuple(m for m in self.managers if isinstance(m, LazyMambaManager))
-        self._attention = tuple(m for m in self.managers if m.publishes_at_allocation)
+        #: the managers that run a policy (groups with one Mamba spec share the first one's)
+        self.policies: tuple[SingleTypeKVCacheManager, ...] = share_identical_policies(self.managers)
+        self._columns = tuple(m.column_ids for m in self.policies)
+        self._mamba_policies = tuple(m for m in self.policies if isinstance(m, MambaManager))
+        self._attention = tuple(m for m in self.policies if m.publishes_at_allocation)
         #: most draft tokens one step may verify without a group refusing it (each eager Mamba
         #: group checks its own rule above this); no limit without Mamba groups
         self._max_drafts = min((m.num_speculative_blocks for m in self.mamba_managers
@@ -98,7 +117,7 @@ class KVCacheCoordinator(CoordinatorQueries):
         #: request id -> its one RequestState (tables, thresholds), for requests that hold blocks
         self._live: dict[str, RequestState] = {}
         #: per group, blocks the tables gained since the last new_step / take_step_plan
-        self._new_block_ids: list[list[int]] = [[] for _ in self.managers]
+        self._new_blocks: list[list[list[KVCacheBlock]]] = [[] for _ in self.managers]
         self._new_pending = False
         #: a Mamba group may have copies / zeros to drain (set with its new blocks)
         self._copies_pending = self._zeros_pending = False
@@ -183,43 +202,43 @@ class KVCacheCoordinator(CoordinatorQueries):
         if num_drafts > self._max_drafts:
             for m in self.mamba_managers:  # the group whose rule it breaks raises
                 m.check_step(num_tokens, num_drafts)
-        managers = self.managers
+        policies, columns = self.policies, self._columns
         for lazy in self.lazy_managers:
             if not lazy.check_lazy_step(rid, num_tokens, num_computed, num_drafts):
                 return None
         # count
         if live is None or num_tokens + num_lookahead_tokens > live.num_covered or self.lazy_managers:
             need = 0
-            for m, hit in zip(managers, hits):
-                need += m.get_num_blocks_to_allocate(rid, num_tokens, hit, num_computed, num_lookahead_tokens)
+            for m, cols in zip(policies, columns):
+                need += m.count_columns(rid, num_tokens, [hits[g] for g in cols], num_computed, num_lookahead_tokens)
             if need > self.block_pool.free_block_queue.num_free_blocks:
                 return None
         # commit
         if live is None:
-            live = self._live[rid] = RequestState(request, tuple(m.table(rid) for m in managers), num_tokens)
+            live = self._live[rid] = RequestState(request, tuple(m.table(rid) for m in policies), num_tokens)
         elif live.num_scheduled < num_tokens:
             live.num_scheduled = num_tokens
         if hits is not self._no_hits:
             # Pin every group's hits before any group takes a new block: new blocks come off the
             # queue head, which may be another group's hit still in the queue (it would be
             # evicted and end up in two tables).
-            for m, hit in zip(managers, hits):
-                if hit:
-                    m.add_computed_blocks(rid, hit)
-        new_blocks = []
+            for m, cols in zip(policies, columns):
+                m.add_hits(rid, [hits[g] for g in cols])
+        new_blocks: list[list[KVCacheBlock]] = [[] for _ in self.managers]
         any_new = False
-        for gid, m in enumerate(managers):
+        for m, cols in zip(policies, columns):
             if m in self.lazy_managers:
-                blocks = m.allocate_new_blocks(rid, num_tokens, num_lookahead_tokens,  # type: ignore[call-arg]
-                                               num_draft_tokens=num_drafts, num_computed_tokens=num_computed,
-                                               defer_spare=True)
+                per_column = [m.allocate_new_blocks(rid, num_tokens, num_lookahead_tokens,  # type: ignore[call-arg]
+                                                    num_draft_tokens=num_drafts, num_computed_tokens=num_computed,
+                                                    defer_spare=True)]
             else:
-                blocks = m.allocate_new_blocks(rid, num_tokens, num_lookahead_tokens, num_draft_tokens=num_drafts)
-            new_blocks.append(blocks)
-            if blocks:
+                per_column = m.allocate_columns(rid, num_tokens, num_lookahead_tokens, num_drafts)
+            if per_column[0]:
                 any_new = True
-                self._new_block_ids[gid].extend(b.block_id for b in blocks)
                 self._new_pending = True
+                for gid, blocks in zip(cols, per_column):
+                    new_blocks[gid] = blocks
+                    self._new_blocks[gid].append(blocks)  # ids are read only if a plan is taken
         for lazy in self.lazy_managers:  # optional spares last: they may only use blocks nobody counted on
             lazy.plan_checkpoint_write(rid)
         # publish: attention KV is written before it is read; never blocks with drafts or placeholders
@@ -227,7 +246,7 @@ class KVCacheCoordinator(CoordinatorQueries):
             num_real = min(num_tokens - num_drafts, request.num_tokens)
             for m in self._attention:
                 m.cache_blocks(request, num_real)
-        live.refresh(managers)
+        live.refresh(policies)
         live.retire_quiet = 0
         if any_new and self.mamba_managers:
             self._copies_pending = self._zeros_pending = True
@@ -250,8 +269,8 @@ class KVCacheCoordinator(CoordinatorQueries):
         lookahead = max(0, min(lookahead, self.max_model_len - num_tokens))
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else self._no_hits
         rid = request.request_id
-        return sum(m.get_num_blocks_to_allocate(rid, num_tokens, hit, num_computed, lookahead)
-                   for m, hit in zip(self.managers, hits))
+        return sum(m.count_columns(rid, num_tokens, [hits[g] for g in cols], num_computed, lookahead)
+                   for m, cols in zip(self.policies, self._columns))
 
     # ------------------------------------------------------------------ step results
     def retire(self, request_id: str, num_processed_tokens: int) -> None:
@@ -281,17 +300,18 @@ class KVCacheCoordinator(CoordinatorQueries):
                 f"scheduled: cannot have processed {num_processed_tokens}")
         if num_processed_tokens < live.retire_quiet:
             return
-        managers, tables = self.managers, live.tables
-        for m, t in zip(self.mamba_managers, (tables[m.kv_cache_group_id] for m in self.mamba_managers)):
-            m.num_dead_slots_check(t, num_processed_tokens)  # raises before anything changes
+        policies, tables = self.policies, live.tables
+        for m, t in zip(policies, tables):
+            if m.kind is GroupKind.MAMBA:
+                m.num_dead_slots_check(t, num_processed_tokens)  # type: ignore[attr-defined]  # raises first
         if self.enable_caching:
-            for m in managers:
+            for m in policies:
                 m.cache_blocks(request, num_processed_tokens)
-        for m in managers:
+        for m in policies:
             m.remove_skipped_blocks(request_id, num_processed_tokens)
         if not self.lazy_managers:  # lazy groups settle decode steps at every retire
-            live.retire_quiet = min(m.next_event(t) for m, t in zip(managers, tables))
-        live.refresh(managers)
+            live.retire_quiet = min(m.next_event(t) for m, t in zip(policies, tables))
+        live.refresh(policies)
 
     def accept_drafts(self, request_id: str, num_accepted: int) -> dict[int, list[tuple[int, int]]]:
         """After a verify step: per Mamba group, the copies (accepted scratch -> running
@@ -301,11 +321,15 @@ class KVCacheCoordinator(CoordinatorQueries):
             InvalidDraftCountError: `num_accepted` outside the step's draft count.
         """
         num_accepted = as_count(num_accepted, "num_accepted", error=InvalidDraftCountError)
-        out = {m.kv_cache_group_id: p for m in self.mamba_managers if (p := m.accept_drafts(request_id, num_accepted))}
+        out = {}
+        for m in self._mamba_policies:
+            for gid, pairs in zip(m.column_ids, m.accept_drafts_columns(request_id, num_accepted)):
+                if pairs:
+                    out[gid] = pairs
         live = self._live.get(request_id)
         if live is not None:  # the verify moved states: the next allocate / retire recount
             live.retire_quiet = 0
-            live.refresh(self.managers)
+            live.refresh(self.policies)
         return out
 
     def free(self, request_id: str) -> None:
@@ -318,9 +342,9 @@ class KVCacheCoordinator(CoordinatorQueries):
         """
         if request_id not in self._live and not any(request_id in m.req_to_blocks for m in self.managers):
             return
-        for m in self.managers:
+        for m in self.policies:
             m.check_free(request_id)
-        for m in self.managers:
+        for m in self.policies:
             m.free(request_id)
         self._live.pop(request_id, None)
 

@@ -77,9 +77,9 @@ class CoordinatorQueries(_Base):
         self._new_pending = False
         out = []
         for gid in range(len(self.managers)):
-            new, self._new_block_ids[gid] = self._new_block_ids[gid], []
-            plan = GroupPlan(gid, tuple(new), tuple(copies.get(gid, ())), tuple(zeros.get(gid, ())),
-                             tuple(writes.get(gid, ())))
+            new, self._new_blocks[gid] = self._new_blocks[gid], []
+            plan = GroupPlan(gid, tuple(b.block_id for blocks in new for b in blocks), tuple(copies.get(gid, ())),
+                             tuple(zeros.get(gid, ())), tuple(writes.get(gid, ())))
             if not plan.empty:
                 out.append(plan)
         return StepPlan(tuple(out)) if out else EMPTY_STEP_PLAN
@@ -121,8 +121,8 @@ class CoordinatorQueries(_Base):
         self.num_steps += 1
         if self._new_pending:
             self._new_pending = False
-            for ids in self._new_block_ids:
-                ids.clear()
+            for blocks in self._new_blocks:
+                blocks.clear()
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; False (nothing changed) while any block is in use. To reset
@@ -176,14 +176,14 @@ class CoordinatorQueries(_Base):
         assert pool.get_num_free_blocks() + len(holders) == pool.num_blocks - 1, "blocks leaked"
         for rid, live in self._live.items():
             assert live.request.request_id == rid and live.num_scheduled > 0, f"{rid}: bad live entry"
-            for m, t in zip(self.managers, live.tables):
+            for m, t in zip(self.policies, live.tables):
                 assert m.get_table(rid) is t, f"{rid}: group {m.kv_cache_group_id} table is not the request state's"
             assert live.num_covered == min(m.num_covered_tokens(rid) for m in self.managers), \
                 f"{rid}: covered-token cache {live.num_covered} out of date"
-            assert live.quiet_tokens <= min(m.quiet_tokens(t) for m, t in zip(self.managers, live.tables)), \
+            assert live.quiet_tokens <= min(m.quiet_tokens(t) for m, t in zip(self.policies, live.tables)), \
                 f"{rid}: quiet threshold {live.quiet_tokens} above a group's"
             if live.retire_quiet:
-                assert live.retire_quiet <= min(m.next_event(t) for m, t in zip(self.managers, live.tables)), \
+                assert live.retire_quiet <= min(m.next_event(t) for m, t in zip(self.policies, live.tables)), \
                     f"{rid}: retire threshold {live.retire_quiet} above a group's next event"
         for m in self.managers:
             for rid in m.req_to_blocks:

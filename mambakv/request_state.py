@@ -38,8 +38,15 @@ class RequestState:
     def refresh(self, managers: tuple[SingleTypeKVCacheManager, ...]) -> None:
         """Recompute the allocation thresholds from the tables (after a slow step)."""
         rid = self.request.request_id
-        self.num_covered = min(m.num_covered_tokens(rid) for m in managers)
-        self.quiet_tokens = min(m.quiet_tokens(t) for m, t in zip(managers, self.tables))
+        covered = quiet = 1 << 62
+        for m, t in zip(managers, self.tables):
+            n = m.num_covered_tokens(rid)
+            if n < covered:
+                covered = n
+            n = m.quiet_tokens(t)
+            if n < quiet:
+                quiet = n
+        self.num_covered, self.quiet_tokens = covered, quiet
 
 
 def check_computed(request: Request, live: RequestState | None, num_new_computed_tokens: int,

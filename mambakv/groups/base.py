@@ -196,6 +196,33 @@ class SingleTypeKVCacheManager(ABC):
             return covered
         return min(covered, (table.num_cached_blocks + 1) * self.block_size - 1)
 
+    # ------------------------------------------------------------------ policy over columns
+    #: a manager that shares another group's policy (identical spec) is driven by that
+    #: group's manager ("the leader"); the coordinator never calls it directly
+    is_follower = False
+
+    @property
+    def column_ids(self) -> tuple[int, ...]:
+        """The groups whose tables this manager drives: its own (plus its followers')."""
+        return (self.kv_cache_group_id,)
+
+    def count_columns(self, request_id: str, num_tokens: int, hits: Sequence[Sequence[KVCacheBlock]],
+                      num_computed_tokens: int, num_lookahead_tokens: int) -> int:
+        """``get_num_blocks_to_allocate`` over every column (`hits`: one list per column)."""
+        return self.get_num_blocks_to_allocate(request_id, num_tokens, hits[0], num_computed_tokens,
+                                               num_lookahead_tokens)
+
+    def add_hits(self, request_id: str, hits: Sequence[Sequence[KVCacheBlock]]) -> None:
+        """``add_computed_blocks`` over every column."""
+        if hits[0]:
+            self.add_computed_blocks(request_id, hits[0])
+
+    def allocate_columns(self, request_id: str, num_tokens: int, num_lookahead_tokens: int,
+                         num_draft_tokens: int) -> list[list[KVCacheBlock]]:
+        """``allocate_new_blocks`` over every column: the new blocks of each."""
+        return [self.allocate_new_blocks(request_id, num_tokens, num_lookahead_tokens,
+                                         num_draft_tokens=num_draft_tokens)]
+
     # ------------------------------------------------------------------ count
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: Sequence[KVCacheBlock] = (),

@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
-from mambakv.core.errors import InvalidDraftCountError, InvalidTokenCountError, as_count
+from mambakv.core.block import KVCacheBlock
+from mambakv.core.errors import InvalidDraftCountError, InvalidRequestError, InvalidTokenCountError, as_count
 from mambakv.groups.base import BlockTable, SingleTypeKVCacheManager
 
 if TYPE_CHECKING:
@@ -46,10 +47,13 @@ class MambaTable(BlockTable):
             ``(position - 1) // bs`` (drafts moved the running slot on), until processed.
     """
 
-    __slots__ = ("running_slot", "num_tokens", "last_step", "had_drafts", "positions", "verify_steps", "verified")
+    __slots__ = ("running_slot", "num_tokens", "last_step", "had_drafts", "positions", "verify_steps", "verified",
+                 "columns")
 
     def __init__(self) -> None:
         super().__init__()
+        #: the tables of every group sharing this policy: ``columns[0] is blocks``
+        self.columns: list[list[KVCacheBlock]] = [self.blocks]
         self.running_slot = -1
         self.num_tokens = 0
         self.last_step: AlignStep | None = None
@@ -57,6 +61,20 @@ class MambaTable(BlockTable):
         self.positions: dict[int, int] = {}
         self.verify_steps: deque[tuple[int, int, int]] = deque()
         self.verified: deque[tuple[int, int]] = deque()
+
+
+class ColumnTable:
+    """A follower group's view of a shared table: its own block column, every other field the
+    leader's (groups with one spec evolve in lockstep; only their block ids differ). Read-only."""
+
+    __slots__ = ("leader", "blocks")
+
+    def __init__(self, leader: MambaTable, blocks: list[KVCacheBlock]) -> None:
+        self.leader = leader
+        self.blocks = blocks
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.leader, name)
 
 
 class DraftsMixin(SingleTypeKVCacheManager):
@@ -77,12 +95,17 @@ class DraftsMixin(SingleTypeKVCacheManager):
             InvalidDraftCountError: `num_accepted` outside ``0 .. drafts of that step``, or not
                 an int.
         """
+        return self.accept_drafts_columns(request_id, num_accepted)[0]
+
+    def accept_drafts_columns(self, request_id: str, num_accepted: int) -> list[list[tuple[int, int]]]:
+        """``accept_drafts`` for every column of the policy: the copies of each group."""
+        self._check_leader()
         num_accepted = as_count(num_accepted, "num_accepted", error=InvalidDraftCountError)
         t = self._tables.get(request_id)
         if t is None or not t.verify_steps:
             if num_accepted != 0:
                 raise InvalidDraftCountError(f"request {request_id!r} has no step with drafts to verify")
-            return []
+            return [[] for _ in self.column_ids]
         slot, num_tokens, num_drafts = t.verify_steps[0]
         if not 0 <= num_accepted <= num_drafts:
             raise InvalidDraftCountError(f"accepted {num_accepted} of {num_drafts} drafts")
@@ -96,9 +119,18 @@ class DraftsMixin(SingleTypeKVCacheManager):
         if latest and self.enable_caching and position == (slot + 1) * self.block_size:
             t.positions[slot] = position
         if num_accepted == 0:
-            return []
-        src, dst = t.blocks[slot + num_accepted], t.blocks[slot]
-        return [(src.block_id, dst.block_id)]
+            return [[] for _ in t.columns]
+        return [[(col[slot + num_accepted].block_id, col[slot].block_id)] for col in t.columns]
+
+    def _check_leader(self) -> None:
+        """Followers are driven through their leader (the coordinator does that).
+
+        Raises:
+            InvalidRequestError: this manager follows another group's policy."""
+        if self.is_follower:
+            raise InvalidRequestError(
+                f"group {self.kv_cache_group_id} shares the policy of another group with the same spec: "
+                f"drive it through the coordinator (or build the manager alone)")
 
     def num_dead_slots(self, table: BlockTable, num_processed_tokens: int) -> int:
         """Slots below ``(n - 1) // bs`` (only the last state matters), plus: the state of a
@@ -154,16 +186,21 @@ class DraftsMixin(SingleTypeKVCacheManager):
         return num_slots, num_settled
 
     def remove_skipped_blocks(self, request_id: str, num_processed_tokens: int) -> None:
-        """Retire (see the base class), after the verify check of ``num_dead_slots``, which
-        runs in mode NONE too (nothing is retired there)."""
+        """Retire (see the base class), after the checks of ``num_dead_slots``, which run in
+        mode NONE too (nothing is retired there). The common case (no verify step pending, no
+        verified state above its slot) is inlined: it runs once per step of every request."""
         if num_processed_tokens < 0:
             raise InvalidTokenCountError(f"num_processed_tokens must be >= 0, got {num_processed_tokens}")
         t = self._tables.get(request_id)
         if t is None:
             return
-        if not self.retires:
-            self._dead_slots(t, num_processed_tokens)  # the verify check only
-            return
-        num_slots = self.num_dead_slots(t, num_processed_tokens)
-        if num_slots > t.retired_below:
+        if self.is_follower:
+            self._check_leader()
+        if t.verify_steps or t.verified or not self.retires:
+            num_slots = self.num_dead_slots(t, num_processed_tokens)
+        else:
+            num_slots = (num_processed_tokens - 1) // self.block_size  # only the last state matters
+            if 0 <= t.running_slot < num_slots:
+                self._dead_slots(t, num_processed_tokens)  # raises: the running state would be freed
+        if num_slots > t.retired_below and self.retires:
             self.retire_slots(t, num_slots)

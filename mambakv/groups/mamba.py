@@ -25,11 +25,17 @@ from typing import ClassVar
 
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
-from mambakv.core.errors import InvalidDraftCountError, InvalidTokenCountError
+from mambakv.core.errors import (
+    DoubleFreeError,
+    InvalidDraftCountError,
+    InvalidRequestError,
+    InvalidSpecError,
+    InvalidTokenCountError,
+)
 from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheSpec, MambaCacheMode, MambaSpec
 from mambakv.groups.base import NEVER, BlockTable, cdiv, group_block_hashes, num_evictable
-from mambakv.groups.drafts import DraftsMixin, MambaTable
+from mambakv.groups.drafts import ColumnTable, DraftsMixin, MambaTable
 from mambakv.groups.kinds import GroupKind
 from mambakv.plans import TableView
 
@@ -100,6 +106,41 @@ class MambaManager(DraftsMixin):
         self.num_kept_tokens = 1 if self._align else NEVER
         self._copy_plan: list[tuple[int, int]] = []
         self._zero_plan: list[int] = []
+        #: the managers of every column this one drives (itself first, then its followers)
+        self._column_managers: tuple[MambaManager, ...] = (self,)
+
+    # ------------------------------------------------------------------ one policy, several columns
+    def share_policy(self, followers: Sequence[MambaManager]) -> None:
+        """Drive the tables of `followers` (groups with an identical spec) with this manager's
+        policy: their per-request work is done once, for every block column, so a decode or
+        prefill step of a model with 3 identical Mamba groups does its bookkeeping once.
+        Only before any request holds blocks.
+
+        Raises:
+            InvalidSpecError: a follower's spec differs, or a table already exists."""
+        for f in followers:
+            if f.kv_cache_spec != self.kv_cache_spec or f.block_pool is not self.block_pool:
+                raise InvalidSpecError(f"group {f.kv_cache_group_id} cannot share group {self.kv_cache_group_id}'s policy")
+        if self._tables or any(f._tables for f in followers):
+            raise InvalidSpecError("share_policy before any request holds blocks")
+        for f in followers:
+            f.is_follower = True
+        self._column_managers = (self, *followers)
+
+    @property
+    def column_ids(self) -> tuple[int, ...]:
+        return tuple(m.kv_cache_group_id for m in self._column_managers)
+
+    def table(self, request_id: str) -> MambaTable:
+        """The request's table (created with one block column per sharing group)."""
+        t = self._tables.get(request_id)
+        if t is None:
+            t = self._tables[request_id] = self.table_class()  # type: ignore[assignment]
+            for f in self._column_managers[1:]:
+                col: list[KVCacheBlock] = []
+                t.columns.append(col)
+                f._tables[request_id] = ColumnTable(t, col)  # type: ignore[assignment]
+        return t
 
     # ------------------------------------------------------------------ check + count
     def check_step(self, num_tokens: int, num_draft_tokens: int) -> None:
@@ -130,6 +171,38 @@ class MambaManager(DraftsMixin):
             return 1  # the running slot moves on: exactly one block is missing (see allocate)
         return 0
 
+    def count_columns(self, request_id: str, num_tokens: int, hits: Sequence[Sequence[KVCacheBlock]],
+                      num_computed_tokens: int, num_lookahead_tokens: int) -> int:
+        """``get_num_blocks_to_allocate`` times the columns, plus every column's evictable hits."""
+        n = self.get_num_blocks_to_allocate(request_id, num_tokens, hits[0], num_computed_tokens,
+                                            num_lookahead_tokens)
+        if len(self._column_managers) == 1 or not n:
+            return n
+        t = self._tables.get(request_id)
+        if t is None or t.running_slot < 0:
+            return (1 + self.num_speculative_blocks) * len(hits) + sum(num_evictable(h) for h in hits if h)
+        return n * len(hits)
+
+    def add_hits(self, request_id: str, hits: Sequence[Sequence[KVCacheBlock]]) -> None:
+        """A new request's hit in every column: one touch for all of them."""
+        self._check_leader()
+        if not hits[0]:
+            return
+        t = self._tables.get(request_id)
+        if t is not None and t.blocks:
+            raise InvalidRequestError(f"request {request_id!r} already holds blocks; hits are for new requests")
+        self.block_pool.touch([b for h in hits for b in h])
+        t = self.table(request_id)
+        for col, h in zip(t.columns, hits):
+            col.extend(h)
+        t.num_cached_blocks = len(t.blocks)
+
+    def add_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]) -> None:
+        """A new request's prefix hit (one column: see ``add_hits`` for a shared policy)."""
+        if len(self._column_managers) > 1:
+            raise InvalidRequestError("a shared Mamba policy takes every column's hits at once (add_hits)")
+        self.add_hits(request_id, (new_computed_blocks,))
+
     def num_covered_tokens(self, request_id: str) -> int:
         """Tokens up to the running slot's boundary: beyond it the running state moves to a
         new slot (one block); mode NONE never needs one once running."""
@@ -159,8 +232,16 @@ class MambaManager(DraftsMixin):
                 would rewrite a published running state.
             OutOfBlocksError: the pool is short (the coordinator counts first).
         """
-        self.check_step(num_tokens, num_draft_tokens)
-        t = self._tables.get(request_id) or self.table(request_id)  # type: ignore[assignment]
+        return self.allocate_columns(request_id, num_tokens, num_lookahead_tokens, num_draft_tokens)[0]
+
+    def allocate_columns(self, request_id: str, num_tokens: int, num_lookahead_tokens: int,
+                         num_draft_tokens: int) -> list[list[KVCacheBlock]]:
+        """``allocate_new_blocks`` for every column of the policy: the new blocks of each."""
+        if num_tokens <= 0 or num_draft_tokens < 0 or num_draft_tokens > self.num_speculative_blocks \
+                or self.is_follower:
+            self._check_leader()
+            self.check_step(num_tokens, num_draft_tokens)
+        t = self._tables.get(request_id) or self.table(request_id)
         running = -(num_tokens // -self.block_size) - 1 if self._align else 0
         if t.running_slot < 0:
             return self._start(t, running, num_tokens, num_draft_tokens)
@@ -170,7 +251,7 @@ class MambaManager(DraftsMixin):
         if running < t.running_slot:
             if not t.had_drafts:
                 t.last_step = AlignStep.COVERED  # vllm-ascend #16329: a no-op, not a crash
-                return []
+                return self._no_new
             # Block 2, 3 computed, 1 + 3 drafts: running slot 3; 0 accepted; the next step from
             # 4 reaches slot 2 only, but the state at 4 is in slot 3.
             case, running = AlignStep.BEHIND, t.running_slot
@@ -179,35 +260,63 @@ class MambaManager(DraftsMixin):
                 f"request {request_id!r}: a step to {num_tokens} tokens would rewrite the published state at slot "
                 f"{running} (another request may hold it as a hit)")
         self._record_step(t, running, num_tokens, num_draft_tokens, case)
-        return []
+        return self._no_new
 
-    def _start(self, t: MambaTable, running: int, num_tokens: int, drafts: int) -> list[KVCacheBlock]:
+    @property
+    def _no_new(self) -> list[list[KVCacheBlock]]:
+        return [[] for _ in self._column_managers]
+
+    def _start(self, t: MambaTable, running: int, num_tokens: int, drafts: int) -> list[list[KVCacheBlock]]:
         """Case NEW: a hit table is ``[null, ..., H]`` (H is the state to resume from, copied into
         the running block); without a hit the running block starts from zero."""
-        blocks = t.blocks
-        source = len(blocks) - 1
-        self._pad_to_running_slot(blocks, running)
-        new = self.block_pool.get_new_blocks(1 + self.num_speculative_blocks)
-        blocks.extend(new)
-        if source >= 0 and blocks[source] is not self.null_block:
-            self._copy_plan.append((blocks[source].block_id, blocks[running].block_id))
-        else:
-            self._zero_plan.append(blocks[running].block_id)
+        per = 1 + self.num_speculative_blocks
+        new = self.block_pool.get_new_blocks(per * len(t.columns))
+        out = []
+        null = self.null_block
+        for k, (col, m) in enumerate(zip(t.columns, self._column_managers)):
+            source = len(col) - 1
+            self._pad_to_running_slot(col, running)
+            mine = new[k * per : (k + 1) * per]
+            col.extend(mine)
+            if source >= 0 and col[source] is not null:
+                m._copy_plan.append((col[source].block_id, col[running].block_id))
+            else:
+                m._zero_plan.append(col[running].block_id)
+            out.append(mine)
         self._record_step(t, running, num_tokens, drafts, AlignStep.NEW)
-        return new
+        return out
 
-    def _grow(self, t: MambaTable, running: int, num_tokens: int, drafts: int) -> list[KVCacheBlock]:
-        """Case GROW: the running slot moves from `source` to `running` (one new block)."""
-        blocks = t.blocks
+    def _grow(self, t: MambaTable, running: int, num_tokens: int, drafts: int) -> list[list[KVCacheBlock]]:
+        """Case GROW: the running slot moves from `source` to `running` (one new block per
+        column). The named steps ``_pad_to_running_slot`` and ``_relocate_scratch_blocks`` are
+        inlined here: this runs once per chunk of every long prefill."""
         source = t.running_slot
-        if len(blocks) < running:  # a jump past the scratch blocks (rare): pad first
-            self._pad_to_running_slot(blocks, running)
-        self._relocate_scratch_blocks(blocks, source, running)
-        new = self.block_pool.get_new_blocks(running + 1 + self.num_speculative_blocks - len(blocks))
-        blocks.extend(new)
-        self._copy_plan.append((blocks[source].block_id, blocks[running].block_id))
+        null = self.null_block
+        cols = t.columns
+        relocate_stop = min(running, source + 1 + self.num_speculative_blocks)
+        for col in cols:
+            if len(col) < running:  # _pad_to_running_slot: a jump past the scratch blocks (rare)
+                col.extend([null] * (running - len(col)))
+            for slot in range(source + 1, relocate_stop):  # _relocate_scratch_blocks
+                col.append(col[slot])
+                col[slot] = null
+        num_new = running + 1 + self.num_speculative_blocks - len(cols[0])
+        if len(cols) == 1:
+            new = self.block_pool.get_new_blocks(num_new)
+            col = cols[0]
+            col.extend(new)
+            self._copy_plan.append((col[source].block_id, col[running].block_id))
+            self._record_step(t, running, num_tokens, drafts, AlignStep.GROW)
+            return [new]
+        new = self.block_pool.get_new_blocks(num_new * len(cols))
+        out = []
+        for k, (col, m) in enumerate(zip(cols, self._column_managers)):
+            mine = new[k * num_new : (k + 1) * num_new]
+            col.extend(mine)
+            m._copy_plan.append((col[source].block_id, col[running].block_id))
+            out.append(mine)
         self._record_step(t, running, num_tokens, drafts, AlignStep.GROW)
-        return new
+        return out
 
     def _pad_to_running_slot(self, blocks: list[KVCacheBlock], running: int) -> None:
         """Fill the table with null up to (not including) the running slot: interior
@@ -273,6 +382,7 @@ class MambaManager(DraftsMixin):
         t = self._tables.get(request.request_id)
         if t is None or not t.positions:
             return
+        self._check_leader()
         positions = t.positions
         bs = self.block_size
         keys: Sequence[bytes] | None = None
@@ -280,11 +390,14 @@ class MambaManager(DraftsMixin):
             del positions[slot]
             if pos != (slot + 1) * bs or not self.enable_caching:
                 continue  # settled off its boundary (or no caching): nothing to publish
-            block = t.blocks[slot]
             if keys is None:
                 keys = group_block_hashes(request, bs)
-            if slot < len(keys) and block is not self.null_block:
-                self.block_pool.cache_full_blocks([block], [keys[slot]], self.kv_cache_group_id, block_size=bs)
+            if slot >= len(keys):
+                continue
+            for col, m in zip(t.columns, self._column_managers):
+                block = col[slot]
+                if block is not self.null_block:
+                    self.block_pool.cache_full_blocks([block], [keys[slot]], m.kv_cache_group_id, block_size=bs)
 
     def next_event(self, table: BlockTable) -> int:
         """The earliest of: a tagged state's position (publication), the next retirement
@@ -302,17 +415,52 @@ class MambaManager(DraftsMixin):
         return nxt
 
     def free(self, request_id: str) -> None:
-        """Drop the request (see the base class), and its pending entries of the copy and
-        zero plans: a preempted request's copy must not run into a block that is reused."""
+        """Drop the request in every column (tail first, see the base class), and its pending
+        entries of the copy and zero plans: a preempted request's copy must not run into a
+        block that is reused.
+
+        Raises:
+            DoubleFreeError: a block is already free; nothing changed."""
         t = self._tables.get(request_id)
-        if t is not None and (self._copy_plan or self._zero_plan):
-            ids = {b.block_id for b in t.blocks if not b.is_null}
-            self.block_pool.free_blocks(reversed(t.blocks))  # raises before any change
-            del self._tables[request_id]
-            self._copy_plan = [p for p in self._copy_plan if p[1] not in ids]
-            self._zero_plan = [b for b in self._zero_plan if b not in ids]
+        if t is None:
             return
-        super().free(request_id)
+        self._check_leader()
+        self.block_pool.free_blocks([b for col in t.columns for b in reversed(col)])  # raises before any change
+        for col, m in zip(t.columns, self._column_managers):
+            del m._tables[request_id]
+            if m._copy_plan or m._zero_plan:
+                ids = {b.block_id for b in col if not b.is_null}
+                m._copy_plan = [p for p in m._copy_plan if p[1] not in ids]
+                m._zero_plan = [b for b in m._zero_plan if b not in ids]
+
+    def check_free(self, request_id: str) -> None:
+        """Raise DoubleFreeError (nothing changed) if ``free(request_id)`` would fail."""
+        t = self._tables.get(request_id)
+        if t is not None:
+            for col in t.columns:
+                for b in col:
+                    if b.ref_cnt <= 0 and not b.is_null:
+                        raise DoubleFreeError(f"block {b.block_id} of request {request_id!r} is already free")
+
+    def retire_slots(self, table: BlockTable, num_slots: int) -> None:
+        """Retire slots ``[watermark, num_slots)`` in every column (see the base class): one
+        free for all columns, then the slots are nulled and the watermark moves."""
+        t: MambaTable = table  # type: ignore[assignment]
+        if len(t.columns) == 1:
+            return super().retire_slots(t, num_slots)
+        stop = min(num_slots, len(t.blocks))
+        low = t.retired_below
+        if stop <= low:
+            return None
+        null = self.null_block
+        freed = [col[i] for col in t.columns for i in range(stop - 1, low - 1, -1) if col[i] is not null]
+        if freed:
+            self.block_pool.free_blocks(freed)
+        for col in t.columns:
+            for i in range(low, stop):
+                col[i] = null
+        t.retired_below = stop
+        return None
 
     # ------------------------------------------------------------------ queries
     def describe(self, request_id: str) -> TableView | None:

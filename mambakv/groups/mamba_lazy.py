@@ -270,7 +270,7 @@ class LazyMambaManager(MambaManager):
         """
         st = self._tables.get(request_id)
         if st is None or not st.decode:
-            return super().accept_drafts(request_id, num_accepted)
+            return super().accept_drafts_columns(request_id, num_accepted)[0]
         step = next((s for s in st.steps if s.drafts), None)
         if step is None or not 0 <= num_accepted <= step.drafts:
             if step is None and num_accepted == 0:
@@ -283,6 +283,10 @@ class LazyMambaManager(MambaManager):
         if num_accepted == 0:
             return []
         return [(st.scratch[num_accepted - 1].block_id, st.working.block_id)]  # type: ignore[union-attr]
+
+    def accept_drafts_columns(self, request_id: str, num_accepted: int) -> list[list[tuple[int, int]]]:
+        """One column (lazy groups never share a policy): ``[accept_drafts(...)]``."""
+        return [self.accept_drafts(request_id, num_accepted)]
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Settle steps without drafts, then publish settled prefill states (eager rule)."""
