@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
 from mambakv.core.errors import InvalidDraftCountError, InvalidTokenCountError, as_count
+from mambakv.core.events import stored_event_fields
 from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheSpec, MambaCacheMode, MambaSpec
 from mambakv.groups.base import RequestBlocks, SingleTypeKVCacheManager, _num_evictable, cdiv, group_block_hashes
@@ -279,7 +280,9 @@ class MambaManager(SingleTypeKVCacheManager):
             if keys is None:
                 keys = group_block_hashes(request, bs)
             if slot < len(keys) and block is not self.null_block:
-                self.block_pool.cache_full_blocks([block], [keys[slot]], self.kv_cache_group_id, block_size=bs)
+                fields = (stored_event_fields(request, keys, slot, slot + 1, bs)
+                          if self.block_pool.enable_kv_cache_events else {})
+                self.block_pool.cache_full_blocks([block], [keys[slot]], self.kv_cache_group_id, **fields)
 
     def _num_dead_slots(self, st: RequestBlocks, num_processed_tokens: int) -> int:
         """Slots below ``(n - 1) // bs`` (only the last state matters), plus: the state of a
