@@ -4,6 +4,7 @@ batch is followed by a resync that restores the router's view."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -111,24 +112,36 @@ def test_replay_returns_the_missed_batches(ctx):
 
 
 def test_slow_subscriber_never_blocks_allocate(ctx):
-    """A subscriber that never reads (receive queue of 1 message), a publisher queue of 8 and a
-    send high-water mark of 1: 2000 steps of allocate + free + publish stay fast."""
+    """A subscriber that never reads (receive queue of 1 message), a send high-water mark of 1
+    and a publisher queue of 8: 2000 steps of allocate + publish + free run through, and so do
+    2000 more while the sending thread itself is stalled (its queue full: batches are dropped,
+    ``publish`` does not wait). Timing is reported, not asserted tightly (shared CI cores)."""
     coord = coordinator(600, fa_spec(16), enable_kv_cache_events=True)
     with ZmqEventPublisher.for_coordinator(coord, LOOPBACK, hwm=1, max_queue_batches=8) as pub:
         sub = subscribe(ctx, pub.endpoint, rcvhwm=1)  # noqa: F841 (connected, never read)
-        worst = 0.0
-        t0 = time.perf_counter()
-        for i in range(2000):
-            req = Request(f"r{i}", tokens(512, start=i * 512))
-            t = time.perf_counter()
-            assert coord.allocate(req, 512) is not None
-            pub.publish_from(coord)
-            worst = max(worst, time.perf_counter() - t)
-            coord.free(req.request_id)
-        total = time.perf_counter() - t0
-        assert pub.flush(10.0)  # the thread was never stuck on the subscriber either
-        assert pub.num_published + pub.num_dropped >= 2000
-    assert worst < 0.1 and total < 30.0, (worst, total)
+        times: list[float] = []
+
+        def steps(first: int) -> None:
+            for i in range(first, first + 2000):
+                req = Request(f"r{i}", tokens(512, start=i * 512))
+                t = time.perf_counter()
+                assert coord.allocate(req, 512) is not None
+                pub.publish_from(coord)
+                times.append(time.perf_counter() - t)
+                coord.free(req.request_id)
+
+        steps(0)
+        assert pub.flush(10.0)  # the thread was never stuck on the subscriber
+        assert pub.num_sent == pub.num_published > 0
+        with pub._done:  # stall the thread: from now on the queue fills up and stays full
+            worker = threading.Thread(target=steps, args=(2000,))
+            worker.start()
+            worker.join(60.0)
+            assert not worker.is_alive(), "publish blocked on a full queue"
+        assert pub.num_dropped >= 2000 - 9
+        assert pub.flush(10.0)
+    times.sort()
+    assert len(times) == 4000 and times[len(times) // 2] < 0.05, times[len(times) // 2]
 
 
 def test_a_dropped_batch_is_followed_by_a_resync(ctx):

@@ -162,7 +162,8 @@ class ZmqEventPublisher:
             events = self.announcer.feed(events)
         ts = time.time() if ts is None else ts
         if self._resync:  # an earlier batch was dropped: the whole view, which holds this one too
-            if not self._offer((ts, self.announcer.snapshot())):  # type: ignore[union-attr]
+            # (built only when it can be queued: a snapshot costs one event per announced block)
+            if self._queue.full() or not self._offer((ts, self.announcer.snapshot())):  # type: ignore[union-attr]
                 if events:
                     self.num_dropped += 1
                 return False
