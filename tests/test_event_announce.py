@@ -129,8 +129,7 @@ def expected_view(coord, parent_of: dict[bytes, bytes | None]) -> set[bytes]:
     """Brute force from the pool: chains root..k of every key k with a state in every Mamba
     group and its whole chain in every attention group, at an aligned depth."""
     pool = coord.block_pool
-    attn_groups = [0]
-    mamba_groups = [i for i, m in enumerate(coord.managers) if i not in attn_groups and hasattr(m, "mode")]
+    mamba_groups = [i for i, m in enumerate(coord.managers) if hasattr(m, "num_speculative_blocks")]
     cached = {g: set(pool.cached_block_hash_to_block.get(g, {})) for g in range(len(coord.managers))}
     out: set[bytes] = set()
     for k in set.intersection(*(cached[g] for g in mamba_groups)):
@@ -142,10 +141,19 @@ def expected_view(coord, parent_of: dict[bytes, bytes | None]) -> set[bytes]:
     return out
 
 
+LAYOUTS = {
+    "fa+mamba+mamba": (fa_spec(4), mamba_spec(4), mamba_spec(4, nspec=1)),
+    "fa+sw+mamba": (fa_spec(4), sw_spec(4, 8), mamba_spec(4)),
+    "fa+lazy": (fa_spec(4), mamba_spec(4, mode="align_lazy")),
+    "fa(4)+mamba(8)": (fa_spec(4), mamba_spec(8)),
+}
+
+
 @pytest.mark.parametrize("seed", [1, 2])
-def test_router_view_matches_brute_force_under_random_traffic(seed):
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_router_view_matches_brute_force_under_random_traffic(seed, layout):
     rng = random.Random(seed)
-    coord = coordinator(26, fa_spec(4), mamba_spec(4), mamba_spec(4, nspec=1), enable_kv_cache_events=True)
+    coord = coordinator(26, *LAYOUTS[layout], enable_kv_cache_events=True, max_num_seqs=4)
     ann = RouterAnnouncer.for_coordinator(coord)
     engine = MiniEngine(coord, 4, rng, chunk_blocks=rng.choice([1, 2, 3]))
     router = RouterMirror()

@@ -12,6 +12,7 @@ pytest.importorskip("msgspec")
 
 from mambakv import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from mambakv.events.wire import (  # noqa: E402
+    EventDecodeError,
     WireAllBlocksCleared,
     WireBlockRemoved,
     WireBlockStored,
@@ -75,3 +76,12 @@ def test_spec_kind_is_written_when_given():
                                          spec_kinds={2: "mamba"}))
     (ev,) = decode_batch(payload).events
     assert ev.kv_cache_spec_kind == "mamba" and ev.group_idx == 2 and ev.block_hashes == [A]
+
+
+def test_bad_input_raises_event_decode_error():
+    with pytest.raises(EventDecodeError):
+        decode_batch(b"\x93\x01")  # truncated
+    with pytest.raises(EventDecodeError):
+        decode_batch(encode_batch(to_wire_batch(1.0, []))[:-1] + b"\xa1x")  # rank is a str
+    with pytest.raises(EventDecodeError):
+        to_wire_batch(1.0, ["BlockStored"])

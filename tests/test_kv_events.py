@@ -10,7 +10,7 @@ import pytest
 
 from mambakv import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored, Request
 from mambakv.core.errors import InvalidRequestError, InvalidTokenCountError
-from tests.coord_helpers import coordinator, fa_spec, mamba_coordinator, step, tokens
+from tests.coord_helpers import coordinator, fa_spec, mamba_coordinator, step, sw_spec, tokens
 from tests.event_driver import MiniEngine, StreamMirror, pool_hashed
 from tests.helpers import mamba_spec
 from tests.regressions.util import pool_snapshot
@@ -123,12 +123,20 @@ def test_bad_lora_id_raises(bad):
         Request("r", [1, 2], lora_id=bad)
 
 
-def test_replayed_stream_is_exactly_the_hashed_blocks():
+LAYOUTS = {
+    "fa+mamba+mamba": (fa_spec(4), mamba_spec(4), mamba_spec(4, nspec=1)),
+    "fa+sw+mamba": (fa_spec(4), sw_spec(4, 8), mamba_spec(4)),
+    "fa+lazy": (fa_spec(4), mamba_spec(4, mode="align_lazy"), mamba_spec(4, mode="align_lazy")),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_replayed_stream_is_exactly_the_hashed_blocks(layout):
     """Random hybrid traffic (shared prefixes, decode, preemptions, evictions, resets): after
     every step the replayed stream equals the pool's hashed (group, hash) set, each removal
     pairs with its store and each stored chain hashes back from its tokens."""
     rng = random.Random(19)
-    coord = coordinator(24, fa_spec(4), mamba_spec(4), mamba_spec(4, nspec=1), enable_kv_cache_events=True)
+    coord = coordinator(24, *LAYOUTS[layout], enable_kv_cache_events=True, max_num_seqs=4)
     engine = MiniEngine(coord, 4, rng)
     mirror = StreamMirror()
     prefixes = [[rng.randrange(1, 40) for _ in range(24)] for _ in range(3)]
@@ -145,7 +153,7 @@ def test_replayed_stream_is_exactly_the_hashed_blocks():
         assert mirror.stored == pool_hashed(coord.block_pool)
         coord.check_invariants()
     assert mirror.num_removed > 50 and mirror.num_cleared == 4 and engine.num_preemptions > 0
-    assert mirror.groups_stored == {0, 1, 2}
+    assert mirror.groups_stored == {0, 1, 2}, mirror.groups_stored
 
 
 def test_cleared_after_reset():

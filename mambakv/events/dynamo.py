@@ -24,7 +24,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from mambakv.events.wire import WireBlockRemoved, WireBlockStored, WireEvent, WireEventBatch
+from mambakv.events.wire import (
+    EventDecodeError,
+    WireAllBlocksCleared,
+    WireBlockRemoved,
+    WireBlockStored,
+    WireEvent,
+    WireEventBatch,
+)
 
 __all__ = ["batch_to_dynamo", "event_to_dynamo"]
 
@@ -35,6 +42,9 @@ def event_to_dynamo(ev: WireEvent, event_id: int, local_hash: LocalHasher, *, dp
     """One wire event as Dynamo's JSON event bytes (module docstring).
 
     `local_hash(tokens, block_size, lora_name=...)` is Dynamo's ``compute_block_hash_for_seq``.
+
+    Raises:
+        EventDecodeError: `ev` is no wire event.
     """
     if isinstance(ev, WireBlockStored):
         bs = ev.block_size
@@ -43,8 +53,10 @@ def event_to_dynamo(ev: WireEvent, event_id: int, local_hash: LocalHasher, *, dp
         data: object = {"stored": {"parent_hash": ev.parent_block_hash, "blocks": blocks}}
     elif isinstance(ev, WireBlockRemoved):
         data = {"removed": {"block_hashes": list(ev.block_hashes)}}
-    else:
+    elif isinstance(ev, WireAllBlocksCleared):
         data = "cleared"
+    else:
+        raise EventDecodeError(f"not a wire event: {ev!r}")
     return json.dumps({"event_id": event_id, "data": data, "dp_rank": dp_rank}).encode()
 
 

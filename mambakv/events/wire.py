@@ -30,11 +30,16 @@ from typing import Any
 import msgspec
 
 from mambakv.core import events as core
+from mambakv.core.errors import MambaKVError
 
-__all__ = ["WireAllBlocksCleared", "WireBlockRemoved", "WireBlockStored", "WireEventBatch", "decode_batch",
+__all__ = ["EventDecodeError", "WireAllBlocksCleared", "WireBlockRemoved", "WireBlockStored", "WireEventBatch", "decode_batch",
            "encode_batch", "external_hash", "to_wire_batch", "to_wire_event"]
 
 Hash = int | bytes
+
+
+class EventDecodeError(MambaKVError, ValueError):
+    """A payload that is not an event batch of this schema, or an object that is no event."""
 
 
 def external_hash(digest: bytes) -> int:
@@ -104,7 +109,9 @@ def to_wire_event(ev: core.KVCacheEvent, *, spec_kinds: Mapping[int, str] | None
     if isinstance(ev, core.BlockRemoved):
         return WireBlockRemoved(block_hashes=[external_hash(h) for h in ev.block_hashes], medium=ev.medium,
                                 group_idx=ev.group_id)
-    return WireAllBlocksCleared()
+    if isinstance(ev, core.AllBlocksCleared):
+        return WireAllBlocksCleared()
+    raise EventDecodeError(f"not a KV event: {ev!r}")
 
 
 def to_wire_batch(ts: float, events: Iterable[core.KVCacheEvent], *, data_parallel_rank: int | None = 0,
@@ -126,6 +133,9 @@ def decode_batch(payload: bytes) -> WireEventBatch:
     """Decode (and validate) a payload frame.
 
     Raises:
-        msgspec.ValidationError / msgspec.DecodeError: not a batch of this schema.
+        EventDecodeError: not a batch of this schema.
     """
-    return _decoder.decode(payload)
+    try:
+        return _decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise EventDecodeError(f"not a KV event batch: {e}") from None
