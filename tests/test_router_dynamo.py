@@ -84,12 +84,12 @@ class Bridge:
         """Apply everything the workers have published."""
         for pub in self.pubs.values():
             assert pub.flush()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while any(self.next_seq[w] < p.num_sent for w, p in self.pubs.items()):
-            if self.sub.poll(50):
+            if self.sub.poll(300):
                 topic, seq, payload = self.sub.recv_multipart()
                 self._apply(int(topic.split(b"@")[1][1:]), int.from_bytes(seq, "big"), payload)
-            elif time.monotonic() > deadline - 4:  # quiet: the rest was lost to the slow join
+            else:  # quiet for 0.3 s: the rest was lost (the slow join): ask the replay sockets
                 for w, p in self.pubs.items():
                     if self.next_seq[w] < p.num_sent:
                         self._replay(w, self.next_seq[w])
