@@ -49,6 +49,7 @@ class Bridge:
         self.next_event_id = dict.fromkeys(publishers, 0)
         self.num_replayed = 0
         self.num_events = 0
+        self.kinds: dict[str, int] = {}
 
     def _apply(self, wid: int, seq: int, payload: bytes) -> None:
         if seq < self.next_seq[wid]:
@@ -59,6 +60,8 @@ class Bridge:
                 return
         assert seq == self.next_seq[wid], f"worker {wid}: batch {seq} lost"
         batch = decode_batch(payload)
+        for ev in batch.events:
+            self.kinds[type(ev).__name__] = self.kinds.get(type(ev).__name__, 0) + 1
         for ev in batch_to_dynamo(batch, self.next_event_id[wid], local_hash):
             self.tree.apply_event(wid, ev)  # raises if a store has no parent, for one
         self.next_event_id[wid] += len(batch.events)
@@ -129,6 +132,11 @@ def test_dynamo_radix_tree_overlap_matches_the_hits():
             for w, e in engines.items():
                 e.step()
                 pubs[w].publish_from(coords[w])
+            if t % 33 == 32:  # data lost on one worker: a few cached blocks dropped, any group
+                w = rng.choice(list(coords))
+                hashed = [b.block_id for b in coords[w].block_pool.blocks if b.block_hash is not None]
+                coords[w].block_pool.evict_blocks(rng.sample(hashed, min(3, len(hashed))))
+                pubs[w].publish_from(coords[w])
             if t % 70 == 69:  # a reset on one worker (preempting what runs there)
                 w = rng.choice(list(coords))
                 engines[w].preempt_all()
@@ -158,3 +166,4 @@ def test_dynamo_radix_tree_overlap_matches_the_hits():
     assert num_equal > 100 and num_strict > 0 and num_bound > 1000, (num_equal, num_strict, num_bound)
     assert sum(e.num_preemptions for e in engines.values()) > 0
     assert bridge.num_events > 500
+    assert min(bridge.kinds.get(k, 0) for k in ("WireBlockStored", "WireBlockRemoved", "WireAllBlocksCleared")) > 0
