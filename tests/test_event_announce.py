@@ -89,6 +89,13 @@ def test_cleared_and_snapshot():
     assert ann.num_announced == 0 and ann.snapshot() == [AllBlocksCleared()]
 
 
+def test_blocks_stored_without_their_tokens_are_never_announced():
+    ann = RouterAnnouncer([0], [], block_size=4)
+    assert ann.feed([BlockStored([h(0), h(1)], None, [], 4, None)]) == []
+    assert ann.feed([BlockStored([h(2)], h(1), TOK[8:12], 4, None)]) == []  # its chain is unknown
+    ann.check_invariants()
+
+
 def test_needs_a_full_attention_group():
     with pytest.raises(InvalidSpecError):
         RouterAnnouncer([], [0], block_size=4)

@@ -165,10 +165,13 @@ class RouterAnnouncer:
 
     def _attention_stored(self, ev: BlockStored) -> None:
         bs = ev.block_size
+        # Without its tokens a block cannot be announced (a router hashes them): it stays
+        # unknown, so nothing below it is announced either.
+        has_tokens = bs > 0 and len(ev.token_ids) == len(ev.block_hashes) * bs
         parent = None if ev.parent_block_hash is None else self._node(ev.parent_block_hash)
         for i, key in enumerate(ev.block_hashes):
             node = self._node(key)
-            if node.tokens is None:
+            if node.tokens is None and has_tokens:
                 node.tokens = list(ev.token_ids[i * bs : (i + 1) * bs])
                 node.lora_id, node.lora_name = ev.lora_id, ev.lora_name
                 if parent is not None:
