@@ -375,7 +375,7 @@ def test_kv_events_only_when_enabled():
         pool = BlockPool(4, enable_kv_cache_events=enabled)  # blocks 1, 2, 3
         b = pool.get_new_blocks(2)
         pool.cache_full_blocks([pool.null_block, *b], [h(0), h(1), h(2)], 0, parent_block_hash=h(7),
-                               token_ids=list(range(8)), block_size=4, lora_id=3)
+                               token_ids=list(range(12)), block_size=4, lora_id=3)
         pool.free_blocks(b)  # hashed -> tail: 3 1 2
         assert queue(pool) == [3, 1, 2]
         pool.get_new_blocks(2)  # 3, then 1: evicts hash 1
@@ -389,8 +389,8 @@ def test_kv_events_only_when_enabled():
         stored, removed1, removed2 = events
         assert isinstance(stored, BlockStored)
         assert stored.block_hashes == [h(1), h(2)]  # the null entry is not published
-        assert stored.parent_block_hash == h(7)
-        assert stored.token_ids == list(range(8))
+        assert stored.parent_block_hash == h(0)  # so the run's parent is the null slot's key
+        assert stored.token_ids == list(range(4, 12))  # the tokens of slots 1 and 2 only
         assert stored.block_size == 4 and stored.lora_id == 3
         assert isinstance(removed1, BlockRemoved) and removed1.block_hashes == [h(1)]
         assert isinstance(removed2, BlockRemoved) and removed2.block_hashes == [h(2)]

@@ -222,16 +222,25 @@ class BlockPool:
         token_ids: Sequence[int] | None = None,
         block_size: int = 0,
         lora_id: int | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """Publish ``blocks[i]`` under ``block_hashes[i]`` in group `kv_cache_group_id`.
 
         Null blocks and blocks already published under the same hash and group (hits) are
-        skipped. Several blocks may share a hash. `parent_block_hash`, `token_ids` (of all the
-        blocks, flat) and `block_size` only feed the BlockStored event.
+        skipped. Several blocks may share a hash. `parent_block_hash` (of the block before
+        ``blocks[0]``), `token_ids` (of all the blocks, flat: ``len(blocks) * block_size`` ids),
+        `block_size` and the LoRA id and name only feed the BlockStored events: one per run of
+        consecutive blocks whose hash is new to the group (a second copy of a hash is not
+        announced again)::
 
-        Raises:
+            blocks [null, b1, b2(copy), b3], hashes [h0, h1, h2, h3]
+                -> BlockStored([h1], parent h0, ids[4:8]), BlockStored([h3], parent h2, ids[12:16])
+
+        Raises (nothing changed):
             InvalidBlockError: a block already carries a different hash or group (it holds
-                another prefix; publishing it again would key the map wrongly); nothing changed.
+                another prefix; publishing it again would key the map wrongly).
+            InvalidTokenCountError: `token_ids` given with another length than
+                ``len(blocks) * block_size``.
         """
         if not self.enable_caching:
             return
@@ -240,9 +249,12 @@ class BlockPool:
                                                  or block.cache_group_id != kv_cache_group_id):
                 raise InvalidBlockError(f"block {block.block_id} is published under another hash or group; "
                                         f"it cannot be published again")
+        if token_ids is not None and len(token_ids) != len(blocks) * block_size:
+            raise InvalidTokenCountError(
+                f"{len(token_ids)} token ids for {len(blocks)} blocks of {block_size} tokens")
         m = self.cached_block_hash_to_block.setdefault(kv_cache_group_id, {})
-        stored = []
-        for block, block_hash in zip(blocks, block_hashes):
+        new: list[int] | None = [] if self.enable_kv_cache_events else None
+        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes)):
             if block.is_null or block.block_hash is not None:
                 continue
             block.block_hash = block_hash
@@ -250,19 +262,34 @@ class BlockPool:
             entry = m.get(block_hash)
             if entry is None:
                 m[block_hash] = block
+                if new is not None:
+                    new.append(i)
             elif type(entry) is dict:
                 entry[block.block_id] = block
             else:
                 m[block_hash] = {entry.block_id: entry, block.block_id: block}
-            stored.append(block_hash)
-        if self.enable_kv_cache_events and stored:
-            self._events.append(
-                BlockStored(stored, parent_block_hash, list(token_ids or ()), block_size, lora_id,
-                            group_id=kv_cache_group_id)
-            )
+        if new:
+            self._record_stored(new, block_hashes, kv_cache_group_id, parent_block_hash, token_ids, block_size,
+                                lora_id, lora_name)
+
+    def _record_stored(self, new: list[int], block_hashes: Sequence[bytes], group_id: int,
+                       parent_block_hash: bytes | None, token_ids: Sequence[int] | None, block_size: int,
+                       lora_id: int | None, lora_name: str | None) -> None:
+        """One BlockStored per run of consecutive indices in `new` (see cache_full_blocks)."""
+        start = 0
+        for k in range(1, len(new) + 1):
+            if k < len(new) and new[k] == new[k - 1] + 1:
+                continue
+            lo, hi = new[start], new[k - 1] + 1
+            parent = block_hashes[lo - 1] if lo else parent_block_hash
+            ids = list(token_ids[lo * block_size : hi * block_size]) if token_ids is not None else []
+            self._events.append(BlockStored(list(block_hashes[lo:hi]), parent, ids, block_size, lora_id,
+                                            group_id=group_id, lora_name=lora_name))
+            start = k
 
     def _evict(self, block: KVCacheBlock) -> None:
-        """Drop `block`'s hash from the map (it is about to hold something else)."""
+        """Drop `block`'s hash from the map (it is about to hold something else). BlockRemoved
+        is recorded only when it was the group's last block with that hash."""
         block_hash = block.block_hash
         m = self.cached_block_hash_to_block[block.cache_group_id]
         entry = m[block_hash]  # type: ignore[index]
@@ -270,13 +297,16 @@ class BlockPool:
             del entry[block.block_id]
             if len(entry) == 1:
                 m[block_hash] = next(iter(entry.values()))  # type: ignore[index]
+            last = False  # another block of the group still serves this hash: no event
         else:
             del m[block_hash]  # type: ignore[arg-type]
+            last = True
+        gid = block.cache_group_id
         block.block_hash = None
         block.cache_group_id = -1
         self.num_evictions += 1
-        if self.enable_kv_cache_events:
-            self._events.append(BlockRemoved([block_hash]))  # type: ignore[list-item]
+        if last and self.enable_kv_cache_events:
+            self._events.append(BlockRemoved([block_hash], group_id=gid))  # type: ignore[list-item]
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop these blocks' hashes (e.g. their data was lost). A held block stays in its

@@ -22,6 +22,8 @@ class Request:
             truncated).
         hash_block_size: tokens per hash block; None adopts the coordinator's on first use.
         lora_name: LoRA adapter; part of every block's hash.
+        lora_id: the adapter's numeric id (vLLM's ``adapter_id``), None or an int >= 0; not
+            hashed, only published in KV events (BlockStored.lora_id).
         cache_salt: part of the first block's hash only (isolates tenants).
         mm_hashes: ``(offset, length, content hash)`` per multimodal item, in tokens; an item's
             hash is part of every block that overlaps ``[offset, offset + length)``.
@@ -34,23 +36,26 @@ class Request:
     Raises:
         InvalidTokenCountError: empty prompt, an id outside ``0 .. 2**31 - 1`` or not an int,
             bad mm_hashes.
-        InvalidRequestError: a request_id that is not a str, a max_tokens not None nor an
-            int >= 0.
+        InvalidRequestError: a request_id that is not a str, a max_tokens or lora_id not None
+            nor an int >= 0.
         HashBlockSizeMismatchError: a non-positive hash_block_size.
     """
 
-    __slots__ = ("request_id", "num_prompt_tokens", "num_computed_tokens", "lora_name", "cache_salt",
+    __slots__ = ("request_id", "num_prompt_tokens", "num_computed_tokens", "lora_name", "lora_id", "cache_salt",
                  "mm_hashes", "max_tokens", "_tokens", "_num_tokens", "_hash_block_size", "_block_hashes")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray, *,
                  hash_block_size: int | None = None, lora_name: str | None = None,
                  cache_salt: str | None = None, mm_hashes: Sequence[tuple[int, int, str]] | None = None,
-                 max_tokens: int | None = None) -> None:
+                 max_tokens: int | None = None, lora_id: int | None = None) -> None:
         if not isinstance(request_id, str):
             raise InvalidRequestError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
         if max_tokens is not None and (not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool)
                                        or max_tokens < 0):
             raise InvalidRequestError(f"max_tokens must be None or an int >= 0, got {max_tokens!r}")
+        if lora_id is not None and (not isinstance(lora_id, (int, np.integer)) or isinstance(lora_id, bool)
+                                    or lora_id < 0):
+            raise InvalidRequestError(f"lora_id must be None or an int >= 0, got {lora_id!r}")
         tokens = np.ascontiguousarray(as_token_array(prompt_token_ids))
         if tokens.size == 0:
             raise InvalidTokenCountError(f"request {request_id!r} has an empty prompt")
@@ -63,6 +68,7 @@ class Request:
         self.num_prompt_tokens = int(tokens.size)
         self.num_computed_tokens = 0
         self.lora_name = lora_name
+        self.lora_id = None if lora_id is None else int(lora_id)
         self.cache_salt = cache_salt
         self.mm_hashes = items
         self.max_tokens = None if max_tokens is None else int(max_tokens)

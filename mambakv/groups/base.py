@@ -28,6 +28,7 @@ from typing import ClassVar
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
 from mambakv.core.errors import DoubleFreeError, HashBlockSizeMismatchError, InvalidRequestError, InvalidTokenCountError
+from mambakv.core.events import stored_event_fields
 from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheSpec
 from mambakv.groups.kinds import GroupKind
@@ -291,12 +292,9 @@ class SingleTypeKVCacheManager(ABC):
         if num_full <= start:
             return
         pool = self.block_pool
-        token_ids = None
-        if pool.enable_kv_cache_events:
-            token_ids = request.all_token_ids[start * self.block_size : num_full * self.block_size].tolist()
-        pool.cache_full_blocks(t.blocks[start:num_full], keys[start:num_full], self.kv_cache_group_id,
-                               parent_block_hash=keys[start - 1] if start else None,
-                               token_ids=token_ids, block_size=self.block_size)
+        fields = (stored_event_fields(request, keys, start, num_full, self.block_size)
+                  if pool.enable_kv_cache_events else {})
+        pool.cache_full_blocks(t.blocks[start:num_full], keys[start:num_full], self.kv_cache_group_id, **fields)
         t.num_cached_blocks = num_full
 
     # ------------------------------------------------------------------ on processed

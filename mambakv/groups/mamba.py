@@ -32,6 +32,7 @@ from mambakv.core.errors import (
     InvalidSpecError,
     InvalidTokenCountError,
 )
+from mambakv.core.events import stored_event_fields
 from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheSpec, MambaCacheMode, MambaSpec
 from mambakv.groups.base import NEVER, BlockTable, cdiv, group_block_hashes, num_evictable
@@ -394,10 +395,12 @@ class MambaManager(DraftsMixin):
                 keys = group_block_hashes(request, bs)
             if slot >= len(keys):
                 continue
+            fields = (stored_event_fields(request, keys, slot, slot + 1, bs)
+                      if self.block_pool.enable_kv_cache_events else {})
             for col, m in zip(t.columns, self._column_managers):
                 block = col[slot]
                 if block is not self.null_block:
-                    self.block_pool.cache_full_blocks([block], [keys[slot]], m.kv_cache_group_id, block_size=bs)
+                    self.block_pool.cache_full_blocks([block], [keys[slot]], m.kv_cache_group_id, **fields)
 
     def next_event(self, table: BlockTable) -> int:
         """The earliest of: a tagged state's position (publication), the next retirement

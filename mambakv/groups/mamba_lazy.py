@@ -48,6 +48,7 @@ from dataclasses import replace
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
 from mambakv.core.errors import InvalidDraftCountError, InvalidSpecError, InvalidTokenCountError, OutOfBlocksError
+from mambakv.core.events import stored_event_fields
 from mambakv.core.request import Request
 from mambakv.core.spec import MambaCacheMode, MambaSpec
 from mambakv.groups.base import cdiv, group_block_hashes
@@ -319,8 +320,10 @@ class LazyMambaManager(MambaManager):
                 keys = group_block_hashes(req, self.block_size)
                 slot = st.ckpt_pos // self.block_size - 1
                 if slot < len(keys):
+                    fields = (stored_event_fields(req, keys, slot, slot + 1, self.block_size)
+                              if self.block_pool.enable_kv_cache_events else {})
                     self.block_pool.cache_full_blocks([ckpt], [keys[slot]], self.kv_cache_group_id,  # type: ignore[list-item]
-                                                      block_size=self.block_size)
+                                                      **fields)
             if st.scratch:
                 self.scratch_region.give_back(st.scratch)
                 st.scratch = []
