@@ -39,10 +39,12 @@ def py_ref_ms(repeat: int = 5) -> float:
 
 # ---------------------------------------------------------------- manager-level 480k replay
 def manager_replay_480k(block_size: int, in_flight: int, nspec: int = 5, total: int = PROMPT_480K,
-                        budget: int = BUDGET) -> tuple[int, int, float]:
+                        budget: int = BUDGET, fused: bool = True) -> tuple[int, int, float]:
     """vLLM's vllm_replay.py loop on our MambaManager: chunks of `budget` rounded down to the
     block size, up to the last full chunk; before each allocation retire to
-    ``max(0, computed - in_flight * chunk)``. Returns (peak held blocks, steps, seconds)."""
+    ``max(0, computed - in_flight * chunk)``. `fused`: one ``schedule_step`` per request-step
+    (retire + count + allocate), else the three calls as vLLM's loop makes them. Returns (peak
+    held blocks, steps, seconds)."""
     spec = MambaSpec(block_size, ((1, 1),), ("float32",), mode="align", num_speculative_blocks=nspec)
     pool = BlockPool(1000)
     m = MambaManager(spec, pool)
@@ -52,9 +54,12 @@ def manager_replay_480k(block_size: int, in_flight: int, nspec: int = 5, total: 
     t0 = time.perf_counter()
     for target in range(chunk, total + 1, chunk):
         computed = target - chunk
-        m.remove_skipped_blocks("r", max(0, computed - in_flight * chunk))
-        m.get_num_blocks_to_allocate("r", target, (), computed)
-        m.allocate_new_blocks("r", target)
+        if fused:
+            m.schedule_step("r", target, max(0, computed - in_flight * chunk))
+        else:
+            m.remove_skipped_blocks("r", max(0, computed - in_flight * chunk))
+            m.get_num_blocks_to_allocate("r", target, (), computed)
+            m.allocate_new_blocks("r", target)
         m.take_copy_plan()
         steps += 1
         held = free0 - pool.get_num_free_blocks()

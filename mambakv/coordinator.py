@@ -32,7 +32,7 @@ from mambakv.core.errors import (
 )
 from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheConfig
-from mambakv.groups import GroupKind, LazyMambaManager, MambaManager, SingleTypeKVCacheManager, make_manager
+from mambakv.groups import LazyMambaManager, MambaManager, SingleTypeKVCacheManager, make_manager
 from mambakv.hits import PrefixCacheStats, PrefixHitFinder
 from mambakv.plans import KVCacheBlocks
 from mambakv.request_state import RequestState, check_computed
@@ -301,17 +301,35 @@ class KVCacheCoordinator(CoordinatorQueries):
         if num_processed_tokens < live.retire_quiet:
             return
         policies, tables = self.policies, live.tables
-        for m, t in zip(policies, tables):
-            if m.kind is GroupKind.MAMBA:
-                m.num_dead_slots_check(t, num_processed_tokens)  # type: ignore[attr-defined]  # raises first
-        if self.enable_caching:
+        if self.lazy_managers:  # lazy groups settle decode steps at every retire, inside their own calls
+            self._retire_lazy(request, num_processed_tokens)
+            live.refresh(policies)
+            return
+        dead = [m.dead_slots(t, num_processed_tokens) for m, t in zip(policies, tables)]  # raises first
+        if self.enable_caching:  # publish, then retire: a state published and retired lands cached
             for m in policies:
                 m.cache_blocks(request, num_processed_tokens)
-        for m in policies:
-            m.remove_skipped_blocks(request_id, num_processed_tokens)
-        if not self.lazy_managers:  # lazy groups settle decode steps at every retire
-            live.retire_quiet = min(m.next_event(t) for m, t in zip(policies, tables))
+        quiet = 1 << 62
+        for m, t, num_dead in zip(policies, tables, dead):
+            if num_dead > t.retired_below:
+                m.retire_slots(t, num_dead)
+            m.settle(t, num_processed_tokens)
+            nxt = m.next_event(t)
+            if nxt < quiet:
+                quiet = nxt
+        live.retire_quiet = quiet
         live.refresh(policies)
+
+    def _retire_lazy(self, request: Request, num_processed_tokens: int) -> None:
+        """``retire`` with ALIGN_LAZY groups: each group's own publish and retire calls."""
+        rid = request.request_id
+        for m, t in zip(self.policies, self._live[rid].tables):
+            m.dead_slots(t, num_processed_tokens)  # raises before anything changes
+        if self.enable_caching:
+            for m in self.policies:
+                m.cache_blocks(request, num_processed_tokens)
+        for m in self.policies:
+            m.remove_skipped_blocks(rid, num_processed_tokens)
 
     def accept_drafts(self, request_id: str, num_accepted: int) -> dict[int, list[tuple[int, int]]]:
         """After a verify step: per Mamba group, the copies (accepted scratch -> running

@@ -37,15 +37,13 @@ class RequestState:
 
     def refresh(self, managers: tuple[SingleTypeKVCacheManager, ...]) -> None:
         """Recompute the allocation thresholds from the tables (after a slow step)."""
-        rid = self.request.request_id
         covered = quiet = 1 << 62
         for m, t in zip(managers, self.tables):
-            n = m.num_covered_tokens(rid)
-            if n < covered:
-                covered = n
-            n = m.quiet_tokens(t)
-            if n < quiet:
-                quiet = n
+            c, q = m.thresholds(t)
+            if c < covered:
+                covered = c
+            if q < quiet:
+                quiet = q
         self.num_covered, self.quiet_tokens = covered, quiet
 
 

@@ -244,16 +244,30 @@ class BlockPool:
         """
         if not self.enable_caching:
             return
-        for block, block_hash in zip(blocks, block_hashes):
-            if block.block_hash is not None and (block.block_hash != block_hash
-                                                 or block.cache_group_id != kv_cache_group_id):
-                raise InvalidBlockError(f"block {block.block_id} is published under another hash or group; "
-                                        f"it cannot be published again")
+        for block in blocks:  # the common case: only fresh blocks, one cheap pass
+            if block.block_hash is not None:
+                self._check_republish(blocks, block_hashes, kv_cache_group_id)
+                break
         if token_ids is not None and len(token_ids) != len(blocks) * block_size:
             raise InvalidTokenCountError(
                 f"{len(token_ids)} token ids for {len(blocks)} blocks of {block_size} tokens")
         m = self.cached_block_hash_to_block.setdefault(kv_cache_group_id, {})
-        new: list[int] | None = [] if self.enable_kv_cache_events else None
+        if not self.enable_kv_cache_events:  # the hot path: no event bookkeeping
+            get = m.get
+            for block, block_hash in zip(blocks, block_hashes):
+                if block.block_hash is not None or block.is_null:
+                    continue
+                block.block_hash = block_hash
+                block.cache_group_id = kv_cache_group_id
+                entry = get(block_hash)
+                if entry is None:
+                    m[block_hash] = block
+                elif type(entry) is dict:
+                    entry[block.block_id] = block
+                else:
+                    m[block_hash] = {entry.block_id: entry, block.block_id: block}
+            return
+        new: list[int] = []
         for i, (block, block_hash) in enumerate(zip(blocks, block_hashes)):
             if block.is_null or block.block_hash is not None:
                 continue
@@ -262,8 +276,7 @@ class BlockPool:
             entry = m.get(block_hash)
             if entry is None:
                 m[block_hash] = block
-                if new is not None:
-                    new.append(i)
+                new.append(i)
             elif type(entry) is dict:
                 entry[block.block_id] = block
             else:
@@ -271,6 +284,14 @@ class BlockPool:
         if new:
             self._record_stored(new, block_hashes, kv_cache_group_id, parent_block_hash, token_ids, block_size,
                                 lora_id, lora_name)
+
+    @staticmethod
+    def _check_republish(blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes], group_id: int) -> None:
+        """Raise InvalidBlockError if a block already carries another hash or group."""
+        for block, block_hash in zip(blocks, block_hashes):
+            if block.block_hash is not None and (block.block_hash != block_hash or block.cache_group_id != group_id):
+                raise InvalidBlockError(f"block {block.block_id} is published under another hash or group; "
+                                        f"it cannot be published again")
 
     def _record_stored(self, new: list[int], block_hashes: Sequence[bytes], group_id: int,
                        parent_block_hash: bytes | None, token_ids: Sequence[int] | None, block_size: int,

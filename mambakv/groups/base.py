@@ -188,14 +188,20 @@ class SingleTypeKVCacheManager(ABC):
         return TableView(self.kv_cache_group_id, tuple(b.block_id for b in t.blocks), t.num_cached_blocks,
                          t.retired_below)
 
-    def quiet_tokens(self, table: BlockTable) -> int:
-        """The most main tokens a step without drafts may reach with no effect on this group
-        but counting (no new block, no publication, nothing to record): a table that covers
-        ``len(blocks) x bs`` tokens publishes its next block once it is full, so one less."""
+    def thresholds(self, table: BlockTable) -> tuple[int, int]:
+        """``(covered, quiet)`` tokens of `table`: a running step up to `covered` tokens
+        (lookahead included) needs no new block (``num_covered_tokens``); one without drafts up
+        to `quiet` main tokens has no effect on this group but counting (no block, no
+        publication, nothing to record). A table publishes its next block once it is full, so
+        `quiet` stops one token short of that."""
         covered = len(table.blocks) * self.block_size
         if not self.enable_caching:
-            return covered
-        return min(covered, (table.num_cached_blocks + 1) * self.block_size - 1)
+            return covered, covered
+        return covered, min(covered, (table.num_cached_blocks + 1) * self.block_size - 1)
+
+    def quiet_tokens(self, table: BlockTable) -> int:
+        """The `quiet` half of ``thresholds``."""
+        return self.thresholds(table)[1]
 
     # ------------------------------------------------------------------ policy over columns
     #: a manager that shares another group's policy (identical spec) is driven by that
@@ -323,6 +329,15 @@ class SingleTypeKVCacheManager(ABC):
         num_slots = self.num_dead_slots(t, num_processed_tokens)
         if num_slots > t.retired_below:
             self.retire_slots(t, num_slots)
+
+    def dead_slots(self, table: BlockTable, num_processed_tokens: int) -> int:
+        """Slots that die once `num_processed_tokens` are processed (0 when the group never
+        retires), raising what ``remove_skipped_blocks`` would raise; changes nothing. The
+        coordinator checks every group this way before any publishes or retires."""
+        return self.num_dead_slots(table, num_processed_tokens) if self.retires else 0
+
+    def settle(self, table: BlockTable, num_processed_tokens: int) -> None:
+        """Forget what `num_processed_tokens` settled (after ``retire_slots``); nothing here."""
 
     def num_dead_slots(self, table: BlockTable, num_processed_tokens: int) -> int:
         """Leading table slots no longer needed once `num_processed_tokens` are processed:

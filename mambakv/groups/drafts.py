@@ -154,10 +154,16 @@ class DraftsMixin(SingleTypeKVCacheManager):
             t.verified.popleft()
         return num_slots
 
-    def num_dead_slots_check(self, table: BlockTable, num_processed_tokens: int) -> None:
-        """Raise what ``remove_skipped_blocks`` would raise, changing nothing (the coordinator
-        checks every group before any publishes or retires)."""
-        self._dead_slots(table, num_processed_tokens)  # type: ignore[arg-type]
+    def dead_slots(self, table: BlockTable, num_processed_tokens: int) -> int:
+        """See the base class: the verify and running-slot checks run in mode NONE too."""
+        return self._dead_slots(table, num_processed_tokens)[0]  # type: ignore[arg-type]
+
+    def settle(self, table: BlockTable, num_processed_tokens: int) -> None:
+        """Drop the verified entries that `num_processed_tokens` passed (their slot rule was
+        applied by ``dead_slots``)."""
+        verified = table.verified  # type: ignore[attr-defined]
+        while verified and verified[0][0] <= num_processed_tokens:
+            verified.popleft()
 
     def _dead_slots(self, t: MambaTable, num_processed_tokens: int) -> tuple[int, int]:
         """``(dead slots, verified entries settled)``; raises as ``num_dead_slots`` says."""

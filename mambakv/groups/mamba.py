@@ -447,23 +447,35 @@ class MambaManager(DraftsMixin):
 
     def retire_slots(self, table: BlockTable, num_slots: int) -> None:
         """Retire slots ``[watermark, num_slots)`` in every column (see the base class): one
-        free for all columns, then the slots are nulled and the watermark moves."""
+        free for all columns (deepest first, null gaps skipped), then the slots are nulled and
+        the watermark moves; all or nothing."""
         t: MambaTable = table  # type: ignore[assignment]
-        if len(t.columns) == 1:
-            return super().retire_slots(t, num_slots)
         stop = min(num_slots, len(t.blocks))
         low = t.retired_below
         if stop <= low:
-            return None
+            return
         null = self.null_block
-        freed = [col[i] for col in t.columns for i in range(stop - 1, low - 1, -1) if col[i] is not null]
+        freed = [b for col in t.columns for b in col[stop - 1 : low - 1 if low else None : -1] if b is not null]
         if freed:
             self.block_pool.free_blocks(freed)
+        nulls = [null] * (stop - low)
         for col in t.columns:
-            for i in range(low, stop):
-                col[i] = null
+            col[low:stop] = nulls
         t.retired_below = stop
-        return None
+
+    def schedule_step(self, request_id: str, num_tokens: int, num_processed_tokens: int, *,
+                      num_draft_tokens: int = 0) -> list[KVCacheBlock] | None:
+        """One request-step of a manager used alone, fused: retire to `num_processed_tokens`,
+        count, allocate for `num_tokens` main tokens. Returns the new blocks, or None (nothing
+        changed but the retirement) when the pool is short. Equivalent to
+        ``remove_skipped_blocks`` + ``get_num_blocks_to_allocate`` + ``allocate_new_blocks``.
+
+        Raises: as those three calls."""
+        self.remove_skipped_blocks(request_id, num_processed_tokens)
+        need = self.get_num_blocks_to_allocate(request_id, num_tokens) * len(self._column_managers)
+        if need > self.block_pool.free_block_queue.num_free_blocks:
+            return None
+        return self.allocate_columns(request_id, num_tokens, 0, num_draft_tokens)[0]
 
     # ------------------------------------------------------------------ queries
     def describe(self, request_id: str) -> TableView | None:
@@ -475,13 +487,17 @@ class MambaManager(DraftsMixin):
                          t.retired_below, t.running_slot, t.num_tokens, tuple(sorted(t.positions.items())),
                          tuple(t.verify_steps), tuple(t.verified), t.had_drafts)
 
-    def quiet_tokens(self, table: BlockTable) -> int:
-        """Steps strictly inside the running slot with no step awaiting ``accept_drafts`` only
-        advance the state in place (nothing to tag: the boundary itself is excluded)."""
+    def thresholds(self, table: BlockTable) -> tuple[int, int]:
+        """Covered: up to the running slot's boundary (``num_covered_tokens``). Quiet: steps
+        strictly inside the running slot with no step awaiting ``accept_drafts`` only advance
+        the state in place (nothing to tag: the boundary itself is excluded)."""
         t: MambaTable = table  # type: ignore[assignment]
-        if t.running_slot < 0 or t.verify_steps:
-            return 0
-        return (t.running_slot + 1) * self.block_size - 1 if self._align else NEVER
+        if t.running_slot < 0:
+            return 0, 0
+        if not self._align:
+            return NEVER, 0 if t.verify_steps else NEVER
+        covered = (t.running_slot + 1) * self.block_size
+        return covered, 0 if t.verify_steps else covered - 1
 
     def get_state_block_ids(self, request_id: str) -> list[int]:
         """Block ids of the request's real states (last + running), scratch excluded: what
