@@ -18,7 +18,7 @@ def ids(blocks) -> list[int]:
 def assert_links(q: FreeBlockQueue, expected: list[KVCacheBlock], outside: list[KVCacheBlock] = ()) -> None:
     """Check every pointer explicitly: head <-> expected[0] <-> ... <-> expected[-1] <-> tail,
     and blocks in `outside` fully unlinked. Then the queue's own check_invariants."""
-    head, tail = q._head, q._tail
+    head, tail = q.sentinels
     chain = [head, *expected, tail]
     assert head.prev_free_block is None and tail.next_free_block is None
     assert head.block_id == -1 and tail.block_id == -1
@@ -99,9 +99,9 @@ def test_remove_block_not_in_queue_raises_and_changes_nothing():
     assert_links(q, [b[2]], outside=[b[0], b[1], b[3]])
     # the sentinels are not removable blocks either
     with pytest.raises(BlockNotFreeError):
-        q.remove(q._head)
+        q.remove(q.sentinels[0])
     with pytest.raises(BlockNotFreeError):
-        q.remove(q._tail)
+        q.remove(q.sentinels[1])
     assert_links(q, [b[2]])
 
 

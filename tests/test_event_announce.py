@@ -51,7 +51,7 @@ def test_removing_attention_of_a_state_withdraws_and_forgets():
     ann.feed([attn([0, 1], None, 0), state(1)])
     assert ann.feed([BlockRemoved([h(1)], group_id=0)]) == [BlockRemoved([h(1), h(0)], group_id=0)]
     assert ann.feed([BlockRemoved([h(1)], group_id=1), BlockRemoved([h(0)], group_id=0)]) == []
-    assert ann._nodes == {}  # nothing cached, nothing remembered
+    assert ann.num_tracked == 0  # nothing cached, nothing remembered
 
 
 def test_states_must_be_in_every_mamba_group_and_attention_in_every_attention_group():

@@ -134,7 +134,7 @@ def test_slow_subscriber_never_blocks_allocate(ctx):
         steps(0)
         assert pub.flush(10.0)  # the thread was never stuck on the subscriber
         assert pub.num_sent == pub.num_published > 0
-        with pub._done:  # stall the thread: from now on the queue fills up and stays full
+        with pub.paused():  # stall the thread: from now on the queue fills up and stays full
             worker = threading.Thread(target=steps, args=(2000,))
             worker.start()
             worker.join(60.0)
@@ -152,7 +152,7 @@ def test_a_dropped_batch_is_followed_by_a_resync(ctx):
     coord = coordinator(64, fa_spec(4), enable_kv_cache_events=True)
     pub = ZmqEventPublisher.for_coordinator(coord, LOOPBACK, replay_endpoint=LOOPBACK, max_queue_batches=3)
     sub = subscribe(ctx, pub.endpoint)
-    with pub._done:  # the thread blocks after its first send
+    with pub.paused():  # the thread blocks after its first send
         for i in range(12):
             req = Request(f"r{i}", tokens(8, start=100 * i))
             coord.allocate(req, 8)
@@ -178,8 +178,8 @@ def test_a_dropped_batch_is_followed_by_a_resync(ctx):
                 view.difference_update(ev.block_hashes)
             else:
                 view.clear()
-    nodes = pub.announcer._nodes.values()  # type: ignore[union-attr]
-    assert view == {external_hash(n.key) for n in nodes if n.need > 0}
+    assert pub.announcer is not None
+    assert view == {external_hash(k) for k in pub.announcer.announced_keys()}
     assert len(view) == 2 * 13  # 13 requests of 2 blocks, none evicted (64-block pool)
 
 

@@ -84,6 +84,12 @@ class FreeBlockQueue:
         self.num_free_blocks -= 1
         return block
 
+    @property
+    def sentinels(self) -> tuple[KVCacheBlock, KVCacheBlock]:
+        """``(head, tail)``: the two sentinel nodes (block id -1) the queue is linked between;
+        read-only, for invariant checks and tests (they are never in the queue's count)."""
+        return self._head, self._tail
+
     def first(self) -> KVCacheBlock | None:
         """The head block (the next one ``popleft`` takes), or None when empty; changes nothing."""
         block = self._head.next_free_block

@@ -152,6 +152,15 @@ class RouterAnnouncer:
             stack.extend(c for c in n.children.values() if c.need > 0)
         return out
 
+    def announced_keys(self) -> set[bytes]:
+        """The keys announced to routers now (read-only view, for checks and tests)."""
+        return {n.key for n in self._nodes.values() if n.need > 0}
+
+    @property
+    def num_tracked(self) -> int:
+        """Keys the announcer remembers (announced or not): 0 once nothing is cached."""
+        return len(self._nodes)
+
     @property
     def num_announced(self) -> int:
         return sum(1 for n in self._nodes.values() if n.need > 0)

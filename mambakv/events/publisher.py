@@ -189,6 +189,12 @@ class ZmqEventPublisher:
         self.num_published += 1
         return True
 
+    def paused(self) -> threading.Condition:
+        """A context manager that holds the sending thread after its current batch (``with
+        pub.paused(): ...``): ``publish`` keeps queueing and drops once the queue is full, as
+        with a stuck subscriber. For tests and maintenance."""
+        return self._done
+
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every batch handed over so far was sent; False on timeout."""
         deadline = time.monotonic() + timeout

@@ -338,6 +338,7 @@ class SingleTypeKVCacheManager(ABC):
 
     def settle(self, table: BlockTable, num_processed_tokens: int) -> None:
         """Forget what `num_processed_tokens` settled (after ``retire_slots``); nothing here."""
+        return None
 
     def num_dead_slots(self, table: BlockTable, num_processed_tokens: int) -> int:
         """Leading table slots no longer needed once `num_processed_tokens` are processed:
