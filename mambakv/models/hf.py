@@ -30,7 +30,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
 
 from mambakv.core.errors import ModelConfigError
 from mambakv.core.spec import DTYPE_SIZES, dtype_name
@@ -178,6 +178,7 @@ class HybridModel:
 # right sign, a layer pattern names exactly ``num_hidden_layers`` layers, and every layer kind
 # in it is known.  Anything else is a one-line ModelConfigError naming the key.
 _MISSING = object()
+_D = TypeVar("_D")
 
 #: Layer kinds of each pattern key: kind -> (keeps attention KV, keeps a Mamba state).
 _ATT, _MAM, _NONE = (True, False), (False, True), (False, False)
@@ -201,8 +202,17 @@ def _get(cfg: Mapping[str, Any], *keys: str, default: Any = _MISSING) -> Any:
     raise ModelConfigError(f"config.json lacks {' / '.join(keys)}")
 
 
-def _int(cfg: Mapping[str, Any], key: str, *, low: int = 1, high: int | None = None, default: Any = _MISSING,
-         within: str = "") -> int:
+@overload
+def _int(cfg: Mapping[str, Any], key: str, *, low: int = 1, high: int | None = None, within: str = "") -> int: ...
+
+
+@overload
+def _int(cfg: Mapping[str, Any], key: str, *, low: int = 1, high: int | None = None, default: _D,
+         within: str = "") -> int | _D: ...
+
+
+def _int(cfg: Mapping[str, Any], key: str, *, low: int = 1, high: int | None = None, default: object = _MISSING,
+         within: str = "") -> object:
     """``cfg[key]`` as an int in ``[low, high]``: a JSON integer only (``"48"``, ``48.0`` and
     ``true`` are refused, so a typo cannot pass as a count).  A missing key is `default` (no
     check); `within` names the enclosing object in messages (``"ssm_cfg"``)."""
