@@ -36,7 +36,11 @@ def test_readme_example_runs() -> None:
 def test_readme_example_type_checks(tmp_path: Path) -> None:
     pytest.importorskip("mypy")
     example = tmp_path / "readme_example.py"
-    example.write_text(readme_example())
+    # and what a typed engine relies on afterwards: `spec.mode` reads as the enum, never a str
+    example.write_text(readme_example() + "\n"
+                       "from mambakv import MambaCacheMode\n"
+                       "_spec = MambaSpec(64, shapes=((3, 8),), dtypes=('bfloat16',), mode='align')\n"
+                       "_mode: MambaCacheMode = _spec.mode\n")
     # The project's own settings (strict, and its per-module overrides); a private cache so
     # that runs do not share state.
     out = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
