@@ -46,7 +46,8 @@ from mambakv.groups import (
     SlidingWindowManager,
     StatePlan,
 )
-from mambakv.hits import KVCacheBlocks, PrefixCacheStats
+from mambakv.hits import PrefixCacheStats
+from mambakv.plans import KVCacheBlocks
 
 __version__ = "0.1.0"
 

@@ -204,6 +204,9 @@ def test_trace_tokens_share_exactly_their_hash_ids(tmp_path):
 
 @pytest.mark.parametrize("line, why", [
     ("{not json", "not valid JSON"),
+    # a ValueError that is not a JSONDecodeError (no .msg): used to escape as AttributeError
+    ('{"timestamp": 0, "input_length": ' + "9" * 5000 + ', "output_length": 1, "hash_ids": [1]}',
+     "not valid JSON .*digits"),
     ('{"timestamp": 0, "input_length": 10, "output_length": 1}', "hash_ids"),
     ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}', "input_length 600"),
     ('{"timestamp": -1, "input_length": 6, "output_length": 1, "hash_ids": [1]}', "timestamp"),

@@ -78,10 +78,12 @@ def as_count(value: object, name: str, minimum: int = 0,
     Raises:
         `error` (InvalidTokenCountError by default): anything else.
     """
-    if type(value) is not int:
-        if isinstance(value, bool) or not hasattr(value, "__index__"):
-            raise error(f"{name} must be an int, got {value!r}")
-        value = operator.index(value)  # type: ignore[call-overload]
-    if value < minimum:  # type: ignore[operator]
-        raise error(f"{name} must be >= {minimum}, got {value!r}")
-    return value  # type: ignore[return-value]
+    if type(value) is int:
+        count = value
+    elif isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise error(f"{name} must be an int, got {value!r}")
+    else:
+        count = operator.index(value)
+    if count < minimum:
+        raise error(f"{name} must be >= {minimum}, got {count!r}")
+    return count

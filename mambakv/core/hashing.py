@@ -19,7 +19,7 @@ import array
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import xxhash
@@ -123,9 +123,11 @@ def hash_blocks(tokens: np.ndarray, block_size: int, start_block: int, stop_bloc
     if stop_block <= start_block:
         return []
     rows = tokens[start_block * block_size : stop_block * block_size].reshape(-1, block_size)
-    chunks = rows.view(np.dtype((np.void, block_size * TOKEN_DTYPE.itemsize))).ravel().tolist()
+    # An unstructured void scalar converts to bytes; numpy's stubs type ``tolist`` of a void
+    # array as ``bytes | tuple`` (the tuple is for structured dtypes, which this is not).
+    chunks = cast("list[bytes]", rows.view(np.dtype((np.void, block_size * TOKEN_DTYPE.itemsize))).ravel().tolist())
     p = NONE_HASH if parent is None else parent
-    out = []
+    out: list[bytes] = []
     append = out.append
     if extra_keys is None:
         for chunk in chunks:

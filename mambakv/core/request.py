@@ -109,11 +109,11 @@ class Request:
             for t in token_ids:
                 if not (isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t <= TOKEN_MAX):
                     raise InvalidTokenCountError(f"token ids must be ints in 0 .. {TOKEN_MAX}, got {t!r}")
-            new = token_ids
+            new: Sequence[int] | np.ndarray = token_ids
             num_new = len(token_ids)
         else:
-            new = as_token_array(token_ids)
-            num_new = new.size
+            ids = as_token_array(token_ids)
+            new, num_new = ids, ids.size
         need = self._num_tokens + num_new
         if need > self._tokens.size or not self._tokens.flags.owndata:
             grown = np.empty(max(need, 2 * self._tokens.size), dtype=TOKEN_DTYPE)

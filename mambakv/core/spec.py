@@ -153,7 +153,7 @@ class SlidingWindowSpec(AttentionSpec):
         return (math.ceil(tokens / self.block_size) + 1) * self.page_size_bytes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class MambaSpec(KVCacheSpec):
     """A recurrent-state group: one block holds one whole state of one layer.
 
@@ -163,7 +163,8 @@ class MambaSpec(KVCacheSpec):
         shapes: the state shapes of one layer, e.g. ``((d_conv - 1, channels), (heads, head_dim,
             d_state))``: conv state first, kernel taps before channels (DESIGN.md 7).
         dtypes: one dtype per state (names or torch dtypes), same length as ``shapes``.
-        mode: :class:`MambaCacheMode` or its string.
+        mode: :class:`MambaCacheMode` or its string (``"align"``); the attribute ``spec.mode``
+            is always the :class:`MambaCacheMode` (normalised at construction, and typed so).
         num_speculative_blocks: scratch blocks for draft positions (MTP/EAGLE), >= 0.
         page_size_padded: bytes per block if padded up to the attention page (DESIGN.md 7).
 
@@ -178,6 +179,21 @@ class MambaSpec(KVCacheSpec):
     mode: MambaCacheMode = MambaCacheMode.NONE
     num_speculative_blocks: int = 0
     page_size_padded: int | None = field(default=None, compare=True)
+
+    def __init__(self, block_size: int, shapes: tuple[tuple[int, ...], ...] = (), dtypes: tuple[Any, ...] = (),
+                 mode: MambaCacheMode | str = MambaCacheMode.NONE, num_speculative_blocks: int = 0,
+                 page_size_padded: int | None = None) -> None:
+        # Written out (``init=False``) only so that `mode` may be a string while the field is
+        # typed as the enum: the dataclass would type both as the field's annotation.  Same
+        # parameters, order and defaults as the generated one; __post_init__ validates.
+        set_field = object.__setattr__
+        set_field(self, "block_size", block_size)
+        set_field(self, "shapes", shapes)
+        set_field(self, "dtypes", dtypes)
+        set_field(self, "mode", mode)
+        set_field(self, "num_speculative_blocks", num_speculative_blocks)
+        set_field(self, "page_size_padded", page_size_padded)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -64,7 +64,8 @@ def torch_dtype(dtype: Any) -> torch.dtype:
         return dtype
     if dtype not in DTYPE_SIZES:
         raise InvalidSpecError(f"unknown dtype {dtype!r}; known: {sorted(DTYPE_SIZES)}")
-    return getattr(torch, dtype)
+    found: torch.dtype = getattr(torch, dtype)  # every DTYPE_SIZES name is a torch dtype
+    return found
 
 
 def default_device() -> torch.device:

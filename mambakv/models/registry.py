@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from mambakv.core.errors import ModelConfigError
 from mambakv.models.hf import HybridModel, parse_config, read_config
@@ -24,7 +25,7 @@ def list_models() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
 
 
-def packaged_config(name: str) -> dict:
+def packaged_config(name: str) -> dict[str, Any]:
     """The packaged json of ``name`` (with its ``_sources``), as a dict.
 
     Raises:
@@ -33,7 +34,8 @@ def packaged_config(name: str) -> dict:
     """
     if not isinstance(name, str) or name.lower() not in list_models():
         raise ModelConfigError(f"unknown model {name!r}; known: {', '.join(list_models())}")
-    return json.loads((CONFIG_DIR / f"{name.lower()}.json").read_text())
+    cfg: dict[str, Any] = json.loads((CONFIG_DIR / f"{name.lower()}.json").read_text())  # each file is an object
+    return cfg
 
 
 def load_model(name_or_path: str | Path | HybridModel) -> HybridModel:

@@ -14,14 +14,21 @@ Results of a request preempted or finished since the step was scheduled are drop
 
 from __future__ import annotations
 
+import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from mambakv.core.errors import MambaKVError
 from mambakv.core.request import Request
 from mambakv.sim.workloads import RequestSpec
 
-__all__ = ["BudgetTooSmallError", "ResultProcessor", "SimRequest"]
+if TYPE_CHECKING:
+    from mambakv.coordinator import KVCacheCoordinator
+    from mambakv.device.state_pool import MambaStatePool
+    from mambakv.sim.metrics import SimMetrics
+
+__all__ = ["BudgetTooSmallError", "ResultProcessor", "ScheduledEntry", "SimRequest"]
 
 _now = time.perf_counter
 
@@ -50,10 +57,24 @@ class SimRequest:
         self.hit = 0                # prefix-hit tokens at the first admission
 
 
+#: One request's part of a scheduled step: ``(request, its generation when scheduled, tokens
+#: scheduled, of which drafts, whether the step samples a token)``.
+ScheduledEntry = tuple[SimRequest, int, int, int, bool]
+
+
 class ResultProcessor:
-    """Result handling and copy-plan execution; needs ``coord``, ``metrics``, ``rng``,
-    ``acceptance_rate``, ``vocab``, ``running``, ``state_pools``, ``on_finish`` and
-    ``check_invariants`` (set by :class:`~mambakv.sim.scheduler.Scheduler`)."""
+    """Result handling and copy-plan execution; needs the attributes declared below (set by
+    :class:`~mambakv.sim.scheduler.Scheduler`)."""
+
+    coord: KVCacheCoordinator
+    metrics: SimMetrics
+    rng: random.Random
+    acceptance_rate: float
+    vocab: int
+    running: list[SimRequest]
+    state_pools: Mapping[int, MambaStatePool]
+    on_finish: Callable[[SimRequest], None] | None
+    check_invariants: bool
 
     def _run_plans(self) -> None:
         t = _now()
@@ -64,7 +85,8 @@ class ResultProcessor:
         self.metrics.copies += sum(len(p) for p in plan.values())
         self._run_copies(plan, zero)
 
-    def _run_copies(self, plan: dict, zero: dict | None = None) -> None:
+    def _run_copies(self, plan: Mapping[int, Sequence[tuple[int, int]]],
+                    zero: Mapping[int, Sequence[int]] | None = None) -> None:
         pools = self.state_pools
         if not pools:
             return
@@ -78,7 +100,7 @@ class ResultProcessor:
         self.metrics.pool_s += _now() - t
 
     # ------------------------------------------------------------------ results
-    def _process(self, batch: Sequence[tuple]) -> None:
+    def _process(self, batch: Sequence[ScheduledEntry]) -> None:
         coord, mt = self.coord, self.metrics
         for sreq, gen, n, drafts, samples in batch:
             if gen != sreq.generation or sreq.finished:

@@ -24,7 +24,7 @@ from mambakv.core.spec import KVCacheConfig, KVCacheGroupSpec, MambaSpec
 from mambakv.sim.results import SimRequest
 from mambakv.sim.runner import MAMBA_POLICIES
 from mambakv.sim.scheduler import Scheduler
-from mambakv.sim.workloads import DEFAULT_VOCAB, RequestSpec
+from mambakv.sim.workloads import DEFAULT_VOCAB, RequestSpec, fixed_prompt
 
 __all__ = ["reuse_conversations", "run_reuse"]
 
@@ -47,7 +47,7 @@ def reuse_conversations(num_conversations: int = 48, turns: int = 3, *, seed: in
                                                                                   dtype=np.int32)])
             reply = nprng.integers(0, vocab, rng.randint(*output), dtype=np.int32)
             chat.append(RequestSpec(f"conv-{c}-{t}", float(c), int(prompt.size), int(reply.size),
-                                    (lambda p=prompt: p), reply))
+                                    fixed_prompt(prompt), reply))
             history = np.concatenate([prompt, reply])
         out.append(chat)
     return out

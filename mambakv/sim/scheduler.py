@@ -35,17 +35,21 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from mambakv.coordinator import KVCacheCoordinator
 from mambakv.core.errors import MambaKVError
 from mambakv.core.request import Request
-from mambakv.core.spec import MambaCacheMode
+from mambakv.core.spec import MambaCacheMode, MambaSpec
 from mambakv.groups import MambaManager
 from mambakv.plans import KVCacheBlocks
 from mambakv.sim.metrics import SimMetrics
-from mambakv.sim.results import BudgetTooSmallError, ResultProcessor, SimRequest
+from mambakv.sim.results import BudgetTooSmallError, ResultProcessor, ScheduledEntry, SimRequest
 from mambakv.sim.workloads import RequestSpec
+
+if TYPE_CHECKING:
+    from mambakv.device.state_pool import MambaStatePool
 
 __all__ = ["BudgetTooSmallError", "SimRequest", "Scheduler"]
 
@@ -75,7 +79,7 @@ class Scheduler(ResultProcessor):
 
     def __init__(self, coord: KVCacheCoordinator, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  num_speculative_tokens: int = 0, acceptance_rate: float = 0.7, lag: int = 0,
-                 stop_before_last_token: bool = True, state_pools: dict | None = None,
+                 stop_before_last_token: bool = True, state_pools: Mapping[int, MambaStatePool] | None = None,
                  step_ms: float = 10.0, ms_per_token: float = 0.05, seed: int = 0,
                  vocab: int = 151_936, on_finish: Callable[[SimRequest], None] | None = None,
                  reserve_full_prompt: bool = True, check_invariants: bool = False) -> None:
@@ -85,7 +89,9 @@ class Scheduler(ResultProcessor):
         if num_speculative_tokens >= max_num_batched_tokens:
             raise MambaKVError("max_num_batched_tokens must exceed num_speculative_tokens")
         for m in coord.mamba_managers:
-            nspec = m.kv_cache_spec.num_speculative_blocks  # lazy groups lend scratch rows instead
+            spec = m.kv_cache_spec
+            assert isinstance(spec, MambaSpec)
+            nspec = spec.num_speculative_blocks  # lazy groups lend scratch rows instead
             if num_speculative_tokens > nspec:
                 raise MambaKVError(f"{num_speculative_tokens} speculative tokens need >= that many "
                                    f"speculative blocks, group {m.kv_cache_group_id} has {nspec}")
@@ -110,7 +116,7 @@ class Scheduler(ResultProcessor):
         self.align = coord.alignment_tokens if aligned else 0
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
-        self.in_flight: deque[list[tuple]] = deque()
+        self.in_flight: deque[list[ScheduledEntry]] = deque()
         self.metrics = SimMetrics.for_coordinator(coord)
 
     # ------------------------------------------------------------------ token choice
@@ -131,16 +137,18 @@ class Scheduler(ResultProcessor):
         return n
 
     # ------------------------------------------------------------------ one step
-    def _timed_allocate(self, req: Request, n: int, **kw) -> object:
+    def _timed_allocate(self, req: Request, n: int, *, num_draft_tokens: int, num_new_computed_tokens: int = 0,
+                        new_computed_blocks: KVCacheBlocks | None = None) -> KVCacheBlocks | None:
         t = _now()
-        new = self.coord.allocate(req, n, **kw)
+        new = self.coord.allocate(req, n, num_new_computed_tokens=num_new_computed_tokens,
+                                  new_computed_blocks=new_computed_blocks, num_draft_tokens=num_draft_tokens)
         self.metrics.library_s += _now() - t
         return new
 
-    def _after_allocate(self, sreq: SimRequest, new: object) -> bool:
+    def _after_allocate(self, sreq: SimRequest, new: KVCacheBlocks) -> bool:
         """Per-request Mamba peaks; True when any block was added."""
         grew = False
-        for gid, blocks in enumerate(new.blocks):  # type: ignore[attr-defined]
+        for gid, blocks in enumerate(new.blocks):
             if blocks:
                 grew = True
                 m = self.coord.managers[gid]
@@ -169,7 +177,7 @@ class Scheduler(ResultProcessor):
         coord.new_step()
         mt.library_s += _now() - t
         budget = self.budget
-        batch: list[tuple] = []
+        batch: list[ScheduledEntry] = []
         grew = preempted = False
         for sreq in list(self.running):
             if budget <= 0:
@@ -227,7 +235,7 @@ class Scheduler(ResultProcessor):
             self._process(self.in_flight.popleft())
         return tokens
 
-    def _admit(self, budget: int, batch: list[tuple]) -> tuple[int, bool]:
+    def _admit(self, budget: int, batch: list[ScheduledEntry]) -> tuple[int, bool]:
         coord, mt = self.coord, self.metrics
         grew = False
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -292,7 +300,7 @@ class Scheduler(ResultProcessor):
                 and sreq.num_outputs + outstanding < sreq.spec.output_len
                 and req.num_computed_tokens < self.coord.max_model_len)
 
-    def _schedule(self, sreq: SimRequest, n: int, drafts: int) -> tuple:
+    def _schedule(self, sreq: SimRequest, n: int, drafts: int) -> ScheduledEntry:
         req = sreq.request
         req.num_computed_tokens += n
         samples = req.num_computed_tokens - drafts >= req.num_tokens

@@ -24,7 +24,7 @@ import numpy as np
 from mambakv.core.errors import TraceFormatError
 
 __all__ = ["DEFAULT_VOCAB", "TRACE_BLOCK_TOKENS", "RequestSpec", "conversations", "load_trace",
-           "long_prefill", "trace_block_tokens"]
+           "fixed_prompt", "long_prefill", "trace_block_tokens"]
 
 #: Qwen3-Next's vocabulary size (``vocab_size`` in its config.json).
 DEFAULT_VOCAB = 151_936
@@ -58,6 +58,11 @@ class RequestSpec:
 
     def prompt(self) -> np.ndarray:
         return self.make_prompt()
+
+
+def fixed_prompt(ids: np.ndarray) -> Callable[[], np.ndarray]:
+    """A ``make_prompt`` that returns `ids` (a prompt already built, e.g. a chat turn's)."""
+    return lambda: ids
 
 
 def long_prefill(num_tokens: int = 480_031, *, output_len: int = 1, vocab: int = DEFAULT_VOCAB,
@@ -109,8 +114,10 @@ def _trace_row(path: Path, lineno: int, raw: bytes) -> tuple[float, int, int, li
         return None
     try:
         row = json.loads(line)
-    except ValueError as e:
+    except json.JSONDecodeError as e:
         raise bad(f"not valid JSON ({e.msg})") from None
+    except ValueError as e:  # not a JSON syntax error: an integer beyond Python's digit limit
+        raise bad(f"not valid JSON ({e})") from None
     if not isinstance(row, dict):
         raise bad("expected a JSON object")
     try:
@@ -206,11 +213,11 @@ def conversations(num_conversations: int = 8, turns: int = 4, *, seed: int = 0, 
     for c in range(num_conversations):
         history = system
         for t in range(turns):
-            msg = nprng.integers(0, vocab, rng.randint(*message_tokens), dtype=np.int32)
-            prompt = np.concatenate([history, msg])
+            message = nprng.integers(0, vocab, rng.randint(*message_tokens), dtype=np.int32)
+            prompt = np.concatenate([history, message])
             reply = nprng.integers(0, vocab, rng.randint(*output_tokens), dtype=np.int32)
             out.append(RequestSpec(f"chat-{c}-{t}", c * spacing_ms + t * think_ms, int(prompt.size),
-                                   int(reply.size), (lambda p=prompt: p), reply))
+                                   int(reply.size), fixed_prompt(prompt), reply))
             history = np.concatenate([prompt, reply])
     out.sort(key=lambda s: s.arrival_ms)
     return out

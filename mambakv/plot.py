@@ -1,0 +1,156 @@
+"""``--plot``: a chart of a run for sizing memory, blocks in use per KV-cache group (stacked,
+against the pool's capacity, GiB on the right) above the running prefix-cache hit rate, per
+scheduler step.  Needs matplotlib (``pip install 'mambakv[plot]'``), imported only here and
+only when a chart is asked for.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mambakv.core.errors import MambaKVError
+from mambakv.report import GIB, MIB
+
+if TYPE_CHECKING:
+    from mambakv.sim.runner import SimResult
+
+__all__ = ["PLOT_SUFFIXES", "check_plot_path", "merge_identical_groups", "plot_series", "write_plot"]
+
+#: File types ``--plot`` writes (matplotlib picks the format from the suffix).
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def check_plot_path(path: str | None) -> None:
+    """Refuse a ``--plot`` target before the run: matplotlib missing, a suffix other than
+    PLOT_SUFFIXES, a directory, or a folder that does not exist or is not writable.
+
+    Raises:
+        MambaKVError: one line naming the problem.
+    """
+    if path is None:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise MambaKVError("--plot needs matplotlib: pip install 'mambakv[plot]' (or pip install matplotlib)") from None
+    p = Path(path)
+    if p.suffix.lower() not in PLOT_SUFFIXES:
+        raise MambaKVError(f"--plot {path}: the file name must end in {', '.join(PLOT_SUFFIXES)}")
+    if p.is_dir():
+        raise MambaKVError(f"--plot {path}: is a directory")
+    folder = p.parent
+    if not folder.is_dir():
+        raise MambaKVError(f"--plot {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise MambaKVError(f"--plot {path}: not writable")
+
+
+def plot_series(result: SimResult) -> tuple[list[int], list[tuple[int, ...]], list[float]]:
+    """Steps, blocks per group and running hit rate of a run, through its last step.
+
+    The scheduler samples after allocations only; a decode tail that allocates nothing, and the
+    frees at the end, would be missing.  The last sample is held until the run's last step,
+    where the tables' usage at the end of the run (0 when every request finished) closes it.
+    """
+    from mambakv.sim.metrics import group_usage
+
+    m = result.metrics
+    steps = [s[0] for s in m.series]
+    usage = [tuple(s[2]) for s in m.series]
+    hits = [s[3] for s in m.series]
+    end_usage = tuple(group_usage(result.coord))
+    if not steps or steps[-1] < m.steps or usage[-1] != end_usage:
+        steps.append(max(m.steps, steps[-1] if steps else 0))
+        usage.append(end_usage)
+        hits.append(m.hit_rate)
+    return steps, usage, hits
+
+
+def merge_identical_groups(kinds: list[str], usage: list[tuple[int, ...]]) -> list[tuple[list[int], str]]:
+    """Groups whose usage is equal at every sample, as ``(group ids, kind)`` bands in group order.
+
+    Qwen3-Next's three Mamba groups hold the same number of blocks at every step: drawn apart
+    they cover each other; merged, one band of 3x the height says so.
+    """
+    bands: dict[tuple[str, tuple[int, ...]], tuple[list[int], str]] = {}
+    for gid, kind in enumerate(kinds):
+        key = (kind, tuple(u[gid] for u in usage))
+        bands.setdefault(key, ([], kind))[0].append(gid)
+    return list(bands.values())
+
+
+def write_plot(result: SimResult, path: str) -> None:
+    """A chart for sizing memory: blocks in use (stacked by group, against the pool's capacity,
+    with GiB on the right) above the running prefix-cache hit rate, per scheduler step; the
+    title names the model, the pool and the settings.  The format follows the suffix of
+    `path` (PLOT_SUFFIXES)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d, m = result.to_dict(), result.metrics
+    pool = result.coord.block_pool
+    steps, usage, hits = plot_series(result)
+    per_block = d["bytes_per_block"]
+    gib_total = d.get("memory_gib", round(pool.num_blocks * per_block / GIB, 2))  # a bare run_workload: no settings
+    fig, (ax, axh) = plt.subplots(2, 1, sharex=True, figsize=(10, 6.5), height_ratios=(3, 1.3))
+    bands = merge_identical_groups([g.kind for g in m.groups], usage)
+    ys, labels, colors = [], [], [f"C{i}" for i in range(len(bands))]
+    reserved = pool.num_reserved_blocks  # lazy scratch rows: taken from the pool, in no table
+    if reserved:
+        ys.append([reserved] * len(steps))
+        labels.append(f"reserved scratch region (lazy): {reserved:,}")
+        colors.insert(0, "lightgray")
+    for gids, kind in bands:
+        ys.append([sum(u[g] for g in gids) for u in usage])
+        one = max(u[gids[0]] for u in usage)
+        if len(gids) == 1:
+            labels.append(f"group {gids[0]} ({kind}): peak {one:,}")
+        else:
+            labels.append(f"groups {', '.join(map(str, gids))} ({kind}, identical): peak {len(gids)} x {one:,}")
+    ax.stackplot(steps, *ys, labels=labels, colors=colors, step="post", alpha=0.85)
+    total = [reserved + sum(u) for u in usage]
+    peak = max(total, default=0)
+    at = steps[total.index(peak)] if total else 0
+    ax.plot([at], [peak], marker="v", color="black", linestyle="none",
+            label=f"peak: {peak:,} blocks = {peak * per_block / GIB:,.2f} GiB (step {at:,})")
+    capacity = pool.num_blocks - 1
+    what = f"pool capacity: {capacity:,} blocks ({gib_total:g} GiB)"
+    if capacity <= 4 * peak:  # the whole pool on the chart
+        ax.axhline(capacity, color="crimson", linestyle="--", linewidth=1.2, label=what)
+        top = max(capacity, peak) * 1.05
+    else:  # zoom on the data: at 60 GiB a small trace would be a flat line at the bottom
+        ax.plot([], [], color="crimson", linestyle="--", linewidth=1.2,
+                label=f"{what},\n{capacity / max(peak, 1):,.0f}x the peak: above the chart")
+        top = peak * 1.15
+    ax.set_ylim(0, max(top, 1))
+    ax.set_ylabel("blocks held by requests (stacked)")  # cached free blocks are not counted
+    gib = ax.secondary_yaxis("right", functions=(lambda b: b * per_block / GIB, lambda g: g * GIB / per_block))
+    gib.set_ylabel("GiB")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.08, 1.0), fontsize="small", frameon=False)
+
+    axh.step(steps, hits, where="post", color="black")
+    top = max(hits, default=0.0)
+    axh.set_ylim(0, top * 1.25 if top > 0 else 0.01)
+    axh.set_ylabel("hit rate")
+    axh.set_xlabel("scheduler step")
+    axh.grid(alpha=0.3)
+    axh.text(1.02, 0.5, f"final hit rate {d['hit_rate']:.4f}\n{d['cached_tokens']:,} of {d['prompt_tokens']:,}\n"
+             f"prompt tokens cached", transform=axh.transAxes, va="center", fontsize="small")
+
+    rejected = f", {d['rejected']:,} rejected" if d.get("rejected") else ""
+    settings = ", ".join(f"{v} {k}" for k, v in (("tokens/step", d.get("max_num_batched_tokens")),
+                                                  ("speculative tokens", d.get("num_speculative_tokens")),
+                                                  ("in flight", d.get("in_flight"))) if v is not None)
+    policy = f"Mamba policy {d['mamba_policy']}; " if "mamba_policy" in d else ""
+    fig.suptitle(f"{d.get('model', 'model')} ({d.get('workload', 'run')}): {d['num_blocks']:,} blocks x "
+                 f"{per_block / MIB:.2f} MiB = {gib_total:g} GiB\n{settings}{'; ' if settings else ''}{policy}"
+                 f"{d['finished']:,}/{d['requests']:,} requests finished{rejected}, "
+                 f"{d['preemptions']:,} preemptions", fontsize="medium")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,54 @@
+"""The text report of a ``mambakv`` run: one line of pool and settings, one table row per
+KV-cache group, then the run's totals.  Its input is ``SimResult.to_dict()`` (the same object
+``--json`` prints); REPORT_HELP explains every number and is the epilog of ``--help``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["GIB", "MIB", "REPORT_HELP", "format_report"]
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+REPORT_HELP = """report: line 1 is the pool (blocks x bytes per block, memory) and the settings; the table has
+one row per KV-cache group: kind, layers, block size (tokens), the most blocks its tables held
+at once (and MiB), and for Mamba groups the most blocks one request held (at most 2 + speculative
+tokens + steps in flight); then the pool's peak, whether every block came back, requests
+finished / rejected (a prompt of max_model_len tokens or more is rejected before the run), the
+prefix hit rate (cached / prompt tokens, each request counted at its first admission),
+preemptions, evictions, state copies, scheduler steps, the simulated time of the step clock
+(--step-ms + --ms-per-token x scheduled tokens per step), wall time and the time spent inside
+the library. --json prints the same numbers as one object."""
+
+
+def format_report(d: dict[str, Any]) -> str:
+    """The text report of a run (REPORT_HELP explains every number).
+
+    `d` is ``SimResult.to_dict()`` of a run the command made (its settings included: model,
+    memory_gib, max_num_batched_tokens, num_speculative_tokens, in_flight).
+    """
+    lines = [f"model {d['model']}: {d['num_blocks']:,} blocks x {d['bytes_per_block'] / MIB:.2f} MiB "
+             f"({d['memory_gib']:g} GiB); budget {d['max_num_batched_tokens']} tokens/step, "
+             f"{d['num_speculative_tokens']} speculative tokens, {d['in_flight']} steps in flight"]
+    header = ("group", "kind", "layers", "block", "peak blocks", "peak MiB", "Mamba blocks/request")
+    rows = [header]
+    for i, g in enumerate(d["groups"]):
+        per_req = g["peak_mamba_blocks_per_request"]
+        rows.append((str(i), g["kind"], str(g["num_layers"]), str(g["block_size"]), f"{g['peak_blocks']:,}",
+                     f"{g['peak_bytes'] / MIB:,.1f}", "-" if per_req is None else str(per_req)))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    for k, r in enumerate(rows):
+        lines.append("  ".join(cell.ljust(w) if c == 1 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths))))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append(f"pool peak {d['peak_blocks']:,} blocks ({d['peak_bytes'] / MIB:,.1f} MiB); "
+                 f"all blocks returned: {'yes' if d['blocks_returned'] else 'NO'}")
+    rejected = f", {d['rejected']:,} rejected" if d.get("rejected") else ""
+    lines.append(f"requests {d['finished']:,}/{d['requests']:,} finished{rejected}; prompt {d['prompt_tokens']:,} tokens, "
+                 f"cached {d['cached_tokens']:,}, hit rate {d['hit_rate']:.4f}; output {d['output_tokens']:,} tokens")
+    lines.append(f"preemptions {d['preemptions']:,}; evictions {d['evictions']:,}; state copies {d['state_copies']:,}")
+    lines.append(f"steps {d['steps']:,}; simulated {d['sim_clock_ms'] / 1e3:,.2f} s; wall {d['wall_s']:.2f} s, "
+                 f"in the library {d['library_s'] * 1e3:,.1f} ms ({d['library_us_per_step']:.1f} us/step)")
+    return "\n".join(lines)
