@@ -209,30 +209,29 @@ class KVCacheCoordinator(CoordinatorQueries):
         # count
         if live is None or num_tokens + num_lookahead_tokens > live.num_covered or self.lazy_managers:
             need = 0
-            for m, cols in zip(policies, columns):
-                need += m.count_columns(rid, num_tokens, [hits[g] for g in cols], num_computed, num_lookahead_tokens)
+            for p, cols in zip(policies, columns):
+                need += p.count_columns(rid, num_tokens, [hits[g] for g in cols], num_computed, num_lookahead_tokens)
             if need > self.block_pool.free_block_queue.num_free_blocks:
                 return None
         # commit
         if live is None:
-            live = self._live[rid] = RequestState(request, tuple(m.table(rid) for m in policies), num_tokens)
+            live = self._live[rid] = RequestState(request, tuple(p.table(rid) for p in policies), num_tokens)
         elif live.num_scheduled < num_tokens:
             live.num_scheduled = num_tokens
         if hits is not self._no_hits:
             # Pin every group's hits before any group takes a new block: new blocks come off the
             # queue head, which may be another group's hit still in the queue (it would be
             # evicted and end up in two tables).
-            for m, cols in zip(policies, columns):
-                m.add_hits(rid, [hits[g] for g in cols])
+            for p, cols in zip(policies, columns):
+                p.add_hits(rid, [hits[g] for g in cols])
         new_blocks: list[list[KVCacheBlock]] = [[] for _ in self.managers]
         any_new = False
-        for m, cols in zip(policies, columns):
-            if m in self.lazy_managers:
-                per_column = [m.allocate_new_blocks(rid, num_tokens, num_lookahead_tokens,  # type: ignore[call-arg]
-                                                    num_draft_tokens=num_drafts, num_computed_tokens=num_computed,
-                                                    defer_spare=True)]
+        for p, cols in zip(policies, columns):
+            if isinstance(p, LazyMambaManager):
+                per_column = [p.allocate_new_blocks(rid, num_tokens, num_lookahead_tokens, num_draft_tokens=num_drafts,
+                                                    num_computed_tokens=num_computed, defer_spare=True)]
             else:
-                per_column = m.allocate_columns(rid, num_tokens, num_lookahead_tokens, num_drafts)
+                per_column = p.allocate_columns(rid, num_tokens, num_lookahead_tokens, num_drafts)
             if per_column[0]:
                 any_new = True
                 self._new_pending = True
@@ -244,8 +243,8 @@ class KVCacheCoordinator(CoordinatorQueries):
         # publish: attention KV is written before it is read; never blocks with drafts or placeholders
         if self.enable_caching:
             num_real = min(num_tokens - num_drafts, request.num_tokens)
-            for m in self._attention:
-                m.cache_blocks(request, num_real)
+            for a in self._attention:
+                a.cache_blocks(request, num_real)
         live.refresh(policies)
         live.retire_quiet = 0
         if any_new and self.mamba_managers:

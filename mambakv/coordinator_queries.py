@@ -3,24 +3,36 @@ drains, read-only views and invariants. Nothing here allocates or frees a block.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from mambakv.core.block import KVCacheBlock
+from mambakv.core.block_pool import BlockPool
 from mambakv.core.errors import InvalidRequestError
 from mambakv.core.request import Request
-from mambakv.groups import StatePlan
+from mambakv.groups import LazyMambaManager, MambaManager, SingleTypeKVCacheManager, StatePlan
+from mambakv.hits import PrefixCacheStats, PrefixHitFinder
 from mambakv.plans import EMPTY_STEP_PLAN, GroupPlan, KVCacheBlocks, RequestView, StepPlan
-from mambakv.request_state import describe
-
-if TYPE_CHECKING:
-    from mambakv.coordinator import KVCacheCoordinator
-
-    _Base = KVCacheCoordinator
-else:
-    _Base = object
+from mambakv.request_state import RequestState, describe
 
 
-class CoordinatorQueries(_Base):
-    """Mixed into KVCacheCoordinator (it holds the state these methods read)."""
+class CoordinatorQueries:
+    """Mixed into KVCacheCoordinator, which sets every attribute declared here."""
+
+    managers: tuple[SingleTypeKVCacheManager, ...]
+    policies: tuple[SingleTypeKVCacheManager, ...]
+    mamba_managers: tuple[MambaManager, ...]
+    lazy_managers: tuple[LazyMambaManager, ...]
+    block_pool: BlockPool
+    hash_block_size: int
+    enable_caching: bool
+    use_eagle: bool
+    prefix_cache_stats: PrefixCacheStats
+    num_steps: int
+    _hits: PrefixHitFinder
+    _live: dict[str, RequestState]
+    _empty_blocks: KVCacheBlocks
+    _new_blocks: list[list[list[KVCacheBlock]]]
+    _new_pending: bool
+    _copies_pending: bool
+    _zeros_pending: bool
 
     # ------------------------------------------------------------------ prefix hits
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
@@ -127,7 +139,7 @@ class CoordinatorQueries(_Base):
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; False (nothing changed) while any block is in use. To reset
         with requests running, call ``preempt_all()`` first."""
-        return self.block_pool.reset_prefix_cache()
+        return bool(self.block_pool.reset_prefix_cache())
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Block ids of the request's table in every group (null entries are 0)."""

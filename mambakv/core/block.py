@@ -102,7 +102,7 @@ class FreeBlockQueue:
             raise OutOfBlocksError(f"asked for {n} blocks, {self.num_free_blocks} free")
         if n <= 0:
             return []
-        out = [None] * n
+        out: list[KVCacheBlock | None] = [None] * n
         block = self._head.next_free_block
         for i in range(n):
             out[i] = block

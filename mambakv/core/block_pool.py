@@ -28,7 +28,7 @@ from mambakv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVC
 __all__ = ["AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "KVCacheEvent"]
 
 
-_MapEntry = KVCacheBlock | dict
+_MapEntry = KVCacheBlock | dict[int, KVCacheBlock]
 
 
 class BlockPool:
@@ -78,9 +78,7 @@ class BlockPool:
             entry = m.get(block_hash) if m is not None else None
             if entry is None:
                 return None
-            if type(entry) is dict:
-                entry = next(iter(entry.values()))
-            out.append(entry)
+            out.append(next(iter(entry.values())) if isinstance(entry, dict) else entry)
         return out
 
     # ------------------------------------------------------------------ allocation
@@ -152,9 +150,9 @@ class BlockPool:
             # Blocks hash by identity: two C-level passes, no Python loop.
             nulls = blocks.count(self.null_block)
             if len(set(blocks)) != len(blocks) - (nulls - 1 if nulls else 0):
-                seen: set[int] = set()
-                dup = next(b for b in blocks if not b.is_null and (b.block_id in seen or seen.add(b.block_id)))
-                raise InvalidBlockError(f"block {dup.block_id} listed more than once in one touch call")
+                ids = [b.block_id for b in blocks if not b.is_null]
+                dup = next(i for i in ids if ids.count(i) > 1)
+                raise InvalidBlockError(f"block {dup} listed more than once in one touch call")
         remove = self.free_block_queue.remove
         for block in blocks:
             if block.ref_cnt == 0:  # the null block's ref count stays 0: this branch skips it
@@ -262,7 +260,7 @@ class BlockPool:
                 entry = get(block_hash)
                 if entry is None:
                     m[block_hash] = block
-                elif type(entry) is dict:
+                elif isinstance(entry, dict):
                     entry[block.block_id] = block
                 else:
                     m[block_hash] = {entry.block_id: entry, block.block_id: block}
@@ -277,7 +275,7 @@ class BlockPool:
             if entry is None:
                 m[block_hash] = block
                 new.append(i)
-            elif type(entry) is dict:
+            elif isinstance(entry, dict):
                 entry[block.block_id] = block
             else:
                 m[block_hash] = {entry.block_id: entry, block.block_id: block}
@@ -314,7 +312,7 @@ class BlockPool:
         block_hash = block.block_hash
         m = self.cached_block_hash_to_block[block.cache_group_id]
         entry = m[block_hash]  # type: ignore[index]
-        if type(entry) is dict:
+        if isinstance(entry, dict):
             del entry[block.block_id]
             if len(entry) == 1:
                 m[block_hash] = next(iter(entry.values()))  # type: ignore[index]
@@ -396,7 +394,7 @@ class BlockPool:
         mapped = 0
         for gid, m in self.cached_block_hash_to_block.items():
             for h, entry in m.items():
-                group = entry.values() if type(entry) is dict else (entry,)
+                group = list(entry.values()) if isinstance(entry, dict) else [entry]
                 assert group, "empty map entry"
                 for b in group:
                     assert b.block_hash == h and b.cache_group_id == gid, f"block {b.block_id} mapped wrongly"

@@ -33,7 +33,7 @@ def triton_dtype(elem_size: int) -> Any:
 
 
 # Triton reads a kernel's annotations as its own types, so the runtime arguments carry none.
-def _copy_rows(table_ptr, idx_ptr, dst_offset, num_tiles,
+def _copy_rows(table_ptr, idx_ptr, dst_offset, num_tiles,  # type: ignore[no-untyped-def]
                BLOCK: tl.constexpr, ELEM: tl.constexpr, VEC: tl.constexpr,
                ALIGN_BYTES: tl.constexpr, ZERO: tl.constexpr):
     """Program ``(pair * num_tiles + tile, entry)`` moves elements ``[tile * BLOCK, +BLOCK)`` of

@@ -16,7 +16,7 @@ from mambakv.events.announce import RouterAnnouncer
 __all__ = ["RouterAnnouncer", "ZmqEventPublisher"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type:
     if name == "ZmqEventPublisher":
         try:
             from mambakv.events.publisher import ZmqEventPublisher

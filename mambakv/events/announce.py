@@ -33,10 +33,14 @@ never sees a block whose parent it was not told about.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from mambakv.core.errors import InvalidSpecError
 from mambakv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from mambakv.core.spec import FullAttentionSpec, MambaSpec
+
+if TYPE_CHECKING:
+    from mambakv.coordinator import KVCacheCoordinator
 
 __all__ = ["RouterAnnouncer"]
 
@@ -96,7 +100,7 @@ class RouterAnnouncer:
         self._out: list[KVCacheEvent] = []
 
     @classmethod
-    def for_coordinator(cls, coord) -> RouterAnnouncer:
+    def for_coordinator(cls, coord: KVCacheCoordinator) -> RouterAnnouncer:
         """The announcer of a ``KVCacheCoordinator``'s groups.
 
         Raises:

@@ -32,6 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 
@@ -40,6 +41,9 @@ from mambakv.core.events import KVCacheEvent
 from mambakv.core.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from mambakv.events.announce import RouterAnnouncer
 from mambakv.events.wire import encode_batch, to_wire_batch
+
+if TYPE_CHECKING:
+    from mambakv.coordinator import KVCacheCoordinator
 
 __all__ = ["END_SEQ", "PublisherClosedError", "ZmqEventPublisher"]
 
@@ -53,7 +57,7 @@ class PublisherClosedError(MambaKVError, RuntimeError):
     """``publish`` after ``close``."""
 
 
-def spec_kinds_of(coord) -> dict[int, str]:
+def spec_kinds_of(coord: KVCacheCoordinator) -> dict[int, str]:
     """Group id -> vLLM's ``kv_cache_spec_kind`` value for a coordinator's groups."""
     out = {}
     for i, g in enumerate(coord.kv_cache_config.kv_cache_groups):
@@ -108,7 +112,7 @@ class ZmqEventPublisher:
         self.num_replayed = 0  # batches re-sent through the replay socket
         self._resync = False
         self._closed = False
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue_batches)
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=max_queue_batches)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._buffer_steps = buffer_steps
         self._hwm = hwm
@@ -131,8 +135,8 @@ class ZmqEventPublisher:
                                f"{self._error or 'timed out'}")
 
     @classmethod
-    def for_coordinator(cls, coord, endpoint: str = "tcp://*:5557", *, announce: bool = True,
-                        **kwargs) -> ZmqEventPublisher:
+    def for_coordinator(cls, coord: KVCacheCoordinator, endpoint: str = "tcp://*:5557", *, announce: bool = True,
+                        **kwargs: Any) -> ZmqEventPublisher:
         """A publisher for a ``KVCacheCoordinator`` (built with ``enable_kv_cache_events=True``):
         with `announce`, the router view of its groups (``RouterAnnouncer.for_coordinator``),
         else its raw stream; ``kv_cache_spec_kind`` filled from its specs.
@@ -177,11 +181,11 @@ class ZmqEventPublisher:
             return False
         return True
 
-    def publish_from(self, coord) -> bool:
+    def publish_from(self, coord: KVCacheCoordinator) -> bool:
         """``publish(coord.block_pool.take_events())``."""
         return self.publish(coord.block_pool.take_events())
 
-    def _offer(self, item) -> bool:
+    def _offer(self, item: object) -> bool:
         try:
             self._queue.put_nowait(item)
         except queue.Full:
@@ -223,7 +227,7 @@ class ZmqEventPublisher:
     def __enter__(self) -> ZmqEventPublisher:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ------------------------------------------------------------------ the thread
@@ -233,7 +237,7 @@ class ZmqEventPublisher:
         return ("*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
                 or endpoint.startswith(("tcp://127.", "tcp://localhost")))
 
-    def _setup(self) -> tuple[zmq.Socket, zmq.Socket | None]:
+    def _setup(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]:
         pub = self._ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, self._hwm)
         pub.setsockopt(zmq.LINGER, 0)
@@ -277,7 +281,7 @@ class ZmqEventPublisher:
                     continue
                 if item is _STOP:
                     break
-                ts, events = item
+                ts, events = cast("tuple[float, list[Any]]", item)  # (timestamp, events), see publish
                 payload = encode_batch(to_wire_batch(ts, events, data_parallel_rank=self.data_parallel_rank,
                                                      spec_kinds=self.spec_kinds))
                 seq = self.num_sent
@@ -292,7 +296,7 @@ class ZmqEventPublisher:
             if replay is not None:
                 replay.close(0)
 
-    def _serve_replay(self, replay: zmq.Socket, topic: bytes) -> None:
+    def _serve_replay(self, replay: zmq.Socket[bytes], topic: bytes) -> None:
         frames = replay.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
             return  # not a replay request: ignored

@@ -43,8 +43,7 @@ def make_manager(spec: KVCacheSpec, block_pool: BlockPool, *, enable_caching: bo
         return LazyMambaManager(spec, block_pool, enable_caching=enable_caching,  # type: ignore[arg-type]
                                 kv_cache_group_id=kv_cache_group_id, max_num_seqs=max_num_seqs,
                                 spare_may_evict=spare_may_evict)
-    return cls(spec, block_pool, enable_caching=enable_caching,  # type: ignore[call-arg]
-               kv_cache_group_id=kv_cache_group_id)
+    return cls(spec, block_pool, enable_caching=enable_caching, kv_cache_group_id=kv_cache_group_id)
 
 
 __all__ = [

@@ -62,7 +62,7 @@ class BlockHashView(Sequence[bytes]):
     def __len__(self) -> int:
         return len(self._fine) // self._ratio
 
-    def __getitem__(self, i):  # type: ignore[no-untyped-def, override]
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         if i < 0:

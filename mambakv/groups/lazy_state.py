@@ -166,7 +166,7 @@ def check_lazy_requests(reqs: dict[str, LazyRequestBlocks], block_size: int, reg
         assert st.blocks[st.running_slot] is st.working and st.blocks[st.running_slot + 1 :] == tail, \
             f"{rid}: lazy layout broken"
         for b in [st.working, *tail]:
-            assert b.ref_cnt == 1 and b.block_hash is None, f"{rid}: shared or published state block {b}"
+            assert b is not None and b.ref_cnt == 1 and b.block_hash is None, f"{rid}: shared or published state block {b}"
         assert all(s.target is None or s.boundary <= st.pos or any(s.target is b for b in tail)
                    for s in st.steps), f"{rid}: a live write target outside C / S"
         assert st.ckpt_pos % block_size == 0 and st.ckpt_pos <= st.pos, f"{rid}: checkpoint ahead"

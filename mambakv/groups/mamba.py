@@ -91,7 +91,7 @@ class MambaManager(DraftsMixin):
     kind = GroupKind.MAMBA
     publishes_at_allocation = False
     table_class: ClassVar[type[BlockTable]] = MambaTable
-    _tables: dict[str, MambaTable]  # type: ignore[assignment]
+    _tables: dict[str, MambaTable]
 
     def __init__(self, kv_cache_spec: MambaSpec, block_pool: BlockPool, *, enable_caching: bool = True,
                  kv_cache_group_id: int = 0) -> None:
@@ -136,11 +136,13 @@ class MambaManager(DraftsMixin):
         """The request's table (created with one block column per sharing group)."""
         t = self._tables.get(request_id)
         if t is None:
-            t = self._tables[request_id] = self.table_class()  # type: ignore[assignment]
+            new = self.table_class()
+            assert isinstance(new, MambaTable)
+            t = self._tables[request_id] = new
             for f in self._column_managers[1:]:
                 col: list[KVCacheBlock] = []
                 t.columns.append(col)
-                f._tables[request_id] = ColumnTable(t, col)  # type: ignore[assignment]
+                f._tables[request_id] = ColumnTable(t, col)  # type: ignore[assignment]  # a read-only view
         return t
 
     # ------------------------------------------------------------------ check + count

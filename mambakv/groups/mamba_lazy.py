@@ -78,12 +78,12 @@ class LazyMambaManager(MambaManager):
     table_class = LazyRequestBlocks
 
     def __init__(self, kv_cache_spec: MambaSpec, block_pool: BlockPool, *, max_num_seqs: int = 256,
-                 spare_may_evict: bool = False, **kwargs) -> None:
+                 spare_may_evict: bool = False, enable_caching: bool = True, kv_cache_group_id: int = 0) -> None:
         if kv_cache_spec.mode is not MambaCacheMode.ALIGN_LAZY:
             raise InvalidSpecError(f"LazyMambaManager needs mode align_lazy, got {kv_cache_spec.mode.value}")
         # The prefill path is eager align mode with no scratch blocks in the table.
         super().__init__(replace(kv_cache_spec, mode=MambaCacheMode.ALIGN, num_speculative_blocks=0),
-                         block_pool, **kwargs)
+                         block_pool, enable_caching=enable_caching, kv_cache_group_id=kv_cache_group_id)
         self.kv_cache_spec = kv_cache_spec
         self.mode = MambaCacheMode.ALIGN_LAZY
         self.num_draft_slots = kv_cache_spec.num_speculative_blocks
