@@ -39,8 +39,10 @@ one row per KV-cache group: kind, layers, block size (tokens), the most blocks i
 at once (and MiB), and for Mamba groups the most blocks one request held (at most 2 + speculative
 tokens + steps in flight); then the pool's peak, whether every block came back, requests
 finished / rejected (a prompt of max_model_len tokens or more is rejected before the run), the
-prefix hit rate (cached / prompt tokens, each request counted at its first admission),
-preemptions, evictions, state copies, scheduler steps, the simulated time of the step clock
+prefix hit rate (cached / prompt tokens, each request counted at its first admission), for a
+trace the hit tokens by cause (shared first block / next turn / branch / repeat) and the tokens
+whose KV was cached where no Mamba state was (state missing), preemptions, evictions, state
+copies, scheduler steps, the simulated time of the step clock
 (--step-ms + --ms-per-token x scheduled tokens per step), wall time and the time spent inside
 the library. --json prints the same numbers as one object."""
 
@@ -137,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--one-at-a-time", action="store_true", help="each request alone, in arrival order")
     p.add_argument("--max-output-tokens", type=POSITIVE_INT, default=None,
                    help="cap each request's output length (default: the trace's)")
+    p.add_argument("--skip", type=COUNT, default=0, metavar="N", help="start at line N+1 of the trace (default 0)")
+    p.add_argument("--replay", choices=("strict", "conversation"), default="strict",
+                   help="strict (default): equal hash ids = equal tokens, outputs unique; conversation: as strict, "
+                        "and a next turn that is long enough begins with its parent's prompt and generated tokens")
     p = sub.add_parser("chat", help="multi-turn conversations (each turn extends the previous one)", **run)
     _add_common(p, in_flight=0, spec_tokens=0)
     p.add_argument("--conversations", type=POSITIVE_INT, default=8, help="number of chats (default 8)")
@@ -169,6 +175,10 @@ def format_report(d: dict[str, Any]) -> str:
     rejected = f", {d['rejected']:,} rejected" if d.get("rejected") else ""
     lines.append(f"requests {d['finished']:,}/{d['requests']:,} finished{rejected}; prompt {d['prompt_tokens']:,} tokens, "
                  f"cached {d['cached_tokens']:,}, hit rate {d['hit_rate']:.4f}; output {d['output_tokens']:,} tokens")
+    if "hit_tokens_by_cause" in d:
+        causes = ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in d["hit_tokens_by_cause"].items())
+        lines.append(f"replay {d['replay']} (skip {d['skip']:,}): hit tokens by cause: {causes}; "
+                     f"state missing where attention hit: {d['state_missing_tokens']:,} tokens")
     lines.append(f"preemptions {d['preemptions']:,}; evictions {d['evictions']:,}; state copies {d['state_copies']:,}")
     lines.append(f"steps {d['steps']:,}; simulated {d['sim_clock_ms'] / 1e3:,.2f} s; wall {d['wall_s']:.2f} s, "
                  f"in the library {d['library_s'] * 1e3:,.1f} ms ({d['library_us_per_step']:.1f} us/step)")
@@ -364,14 +374,16 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                                 max_num_seqs=args.max_num_seqs, **common)
         else:
             if args.command == "trace":
-                specs = load_trace(args.path, limit=args.limit, max_output_tokens=args.max_output_tokens)
+                specs = load_trace(args.path, limit=args.limit, max_output_tokens=args.max_output_tokens,
+                                   skip=args.skip)
             else:
                 specs = conversations(args.conversations, args.turns, seed=args.seed)
             bar = _progress(len(specs), args.quiet)
             on_finish = (lambda _r: bar.update(1)) if bar is not None else None
             if args.command == "trace":
                 result = run_trace(args.path, model, specs=specs, limit=args.limit, max_num_seqs=args.max_num_seqs,
-                                   one_at_a_time=args.one_at_a_time, on_finish=on_finish, **common)
+                                   one_at_a_time=args.one_at_a_time, on_finish=on_finish, replay=args.replay,
+                                   skip=args.skip, **common)
             else:
                 result = run_conversations(model, num_conversations=args.conversations, turns=args.turns, specs=specs,
                                            max_num_seqs=args.max_num_seqs, one_at_a_time=args.one_at_a_time,
