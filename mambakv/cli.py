@@ -139,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--one-at-a-time", action="store_true", help="each request alone, in arrival order")
     p.add_argument("--max-output-tokens", type=POSITIVE_INT, default=None,
                    help="cap each request's output length (default: the trace's)")
+    p.add_argument("--skip", type=COUNT, default=0, metavar="N", help="start at line N+1 of the trace (default 0)")
+    p.add_argument("--replay", choices=("strict", "conversation"), default="strict",
+                   help="strict (default): equal hash ids = equal tokens, outputs unique; conversation: as strict, "
+                        "and a next turn that is long enough begins with its parent's prompt and generated tokens")
     p = sub.add_parser("chat", help="multi-turn conversations (each turn extends the previous one)",
                        epilog=epilog, formatter_class=raw)
     _add_common(p, in_flight=0, spec_tokens=0)
@@ -206,14 +210,16 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                                 max_num_seqs=args.max_num_seqs, **common)
         else:
             if args.command == "trace":
-                specs = load_trace(args.path, limit=args.limit, max_output_tokens=args.max_output_tokens)
+                specs = load_trace(args.path, limit=args.limit, max_output_tokens=args.max_output_tokens,
+                                   skip=args.skip)
             else:
                 specs = conversations(args.conversations, args.turns, seed=args.seed)
             bar = _progress(len(specs), args.quiet)
             on_finish = (lambda _r: bar.update(1)) if bar is not None else None
             if args.command == "trace":
                 result = run_trace(args.path, model, specs=specs, limit=args.limit, max_num_seqs=args.max_num_seqs,
-                                   one_at_a_time=args.one_at_a_time, on_finish=on_finish, **common)
+                                   one_at_a_time=args.one_at_a_time, on_finish=on_finish, replay=args.replay,
+                                   skip=args.skip, **common)
             else:
                 result = run_conversations(model, num_conversations=args.conversations, turns=args.turns, specs=specs,
                                            max_num_seqs=args.max_num_seqs, one_at_a_time=args.one_at_a_time,

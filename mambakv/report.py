@@ -48,6 +48,10 @@ def format_report(d: dict[str, Any]) -> str:
     rejected = f", {d['rejected']:,} rejected" if d.get("rejected") else ""
     lines.append(f"requests {d['finished']:,}/{d['requests']:,} finished{rejected}; prompt {d['prompt_tokens']:,} tokens, "
                  f"cached {d['cached_tokens']:,}, hit rate {d['hit_rate']:.4f}; output {d['output_tokens']:,} tokens")
+    if "hit_tokens_by_cause" in d:
+        causes = ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in d["hit_tokens_by_cause"].items())
+        lines.append(f"replay {d['replay']} (skip {d['skip']:,}): hit tokens by cause: {causes}; "
+                     f"state missing where attention hit: {d['state_missing_tokens']:,} tokens")
     lines.append(f"preemptions {d['preemptions']:,}; evictions {d['evictions']:,}; state copies {d['state_copies']:,}")
     lines.append(f"steps {d['steps']:,}; simulated {d['sim_clock_ms'] / 1e3:,.2f} s; wall {d['wall_s']:.2f} s, "
                  f"in the library {d['library_s'] * 1e3:,.1f} ms ({d['library_us_per_step']:.1f} us/step)")

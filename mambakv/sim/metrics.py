@@ -67,6 +67,8 @@ class SimMetrics:
 
     ``prompt_tokens`` / ``cached_tokens`` count each request once, at its first admission
     (a recompute after preemption is not counted again); ``hit_rate = cached / prompt``.
+    ``state_missing_tokens``: at each first admission, the attention-only hit
+    (``get_shared_prefix_length``) minus the hit, summed (0 unless Mamba groups align).
     ``library_s`` is ``time.perf_counter`` time inside coordinator calls (prompt hashing
     included: ``get_computed_blocks`` hashes lazily) and ``Request`` appends; ``pool_s`` inside
     ``MambaStatePool`` copies.  ``series`` samples ``(step, clock_ms, blocks per group,
@@ -79,6 +81,7 @@ class SimMetrics:
     finished: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    state_missing_tokens: int = 0
     output_tokens: int = 0
     scheduled_tokens: int = 0
     preemptions: int = 0

@@ -18,6 +18,8 @@ from mambakv.coordinator import KVCacheCoordinator
 from mambakv.core.errors import InvalidSpecError, InvalidTokenCountError
 from mambakv.core.spec import KVCacheConfig
 from mambakv.models import build_kv_cache_config, load_model
+from mambakv.sim.causes import HitCauses
+from mambakv.sim.conversation import REPLAY_MODES, ConversationReplay, read_trace_rows
 from mambakv.sim.metrics import SimMetrics
 from mambakv.sim.scheduler import Scheduler, SimRequest
 from mambakv.sim.workloads import RequestSpec, conversations, load_trace, long_prefill
@@ -82,12 +84,14 @@ class SimResult:
 
     ``rejected``: requests refused before the run because they cannot fit ``max_model_len``
     (see :func:`run_workload`); ``to_dict()["requests"]`` counts them, ``"finished"`` does not.
+    ``extra``: more results of the workload (a trace's ``hit_tokens_by_cause``), last in ``to_dict()``.
     """
 
     coord: KVCacheCoordinator
     metrics: SimMetrics
     settings: dict[str, Any] = field(default_factory=dict)
     rejected: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def blocks_returned(self) -> bool:
@@ -113,6 +117,7 @@ class SimResult:
             "prompt_tokens": m.prompt_tokens,
             "cached_tokens": m.cached_tokens,
             "hit_rate": round(m.hit_rate, 6),
+            "state_missing_tokens": m.state_missing_tokens,
             "prefix_queries": stats.queries,
             "prefix_hits": stats.hits,
             "output_tokens": m.output_tokens,
@@ -135,6 +140,7 @@ class SimResult:
             "library_ms": round(m.library_s * 1e3, 3),
             "library_us_per_step": round(m.library_s * 1e6 / m.steps, 2) if m.steps else 0.0,
             "blocks_returned": self.blocks_returned,
+            **self.extra,
         }
 
 
@@ -184,25 +190,53 @@ def run_trace(path: str | Path, model: str | Path = DEFAULT_MODEL, *, memory_gib
               num_speculative_tokens: int = 0, in_flight: int = 0, one_at_a_time: bool = False,
               use_eagle: bool = False, max_output_tokens: int | None = None, num_blocks: int | None = None,
               seed: int = 0, specs: Sequence[RequestSpec] | None = None, mamba_policy: str = "eager",
-              **kwargs: Any) -> SimResult:
-    """A Mooncake JSONL trace (first `limit` requests) through the scheduler.
+              replay: str = "strict", skip: int = 0, **kwargs: Any) -> SimResult:
+    """A Mooncake JSONL trace (first `limit` requests after the first `skip` lines) through the scheduler.
+
+    `replay`: ``"strict"`` (equal ids = equal tokens) or ``"conversation"`` (a next turn begins
+    with its parent's prompt and generated ids; :mod:`mambakv.sim.conversation`). `specs`, when
+    given, must be ``load_trace(path, limit=limit, skip=skip, ...)`` (the command builds them
+    first to size its progress bar). The result's ``to_dict()`` adds ``hit_tokens_by_cause``
+    (:mod:`mambakv.sim.causes`) and, under conversation replay, ``conversation_children`` /
+    ``conversation_prompts`` / ``strict_fallbacks``.
 
     Raises:
-        TraceFormatError: missing file or malformed line; ModelConfigError; BudgetTooSmallError.
+        TraceFormatError: missing file or malformed line, `specs` not those of the trace;
+            InvalidSpecError: unknown `replay`; ModelConfigError; BudgetTooSmallError.
     """
+    if replay not in REPLAY_MODES:
+        raise InvalidSpecError(f"unknown replay {replay!r}; known: {', '.join(REPLAY_MODES)}")
     coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens,
                               use_eagle=use_eagle, num_blocks=num_blocks, mamba_policy=mamba_policy,
                               max_num_seqs=max_num_seqs)
     if specs is None:
-        specs = load_trace(path, limit=limit, max_output_tokens=max_output_tokens)
+        specs = load_trace(path, limit=limit, max_output_tokens=max_output_tokens, skip=skip)
+    rows = read_trace_rows(path, skip=skip, limit=limit)
+    conv = ConversationReplay(specs, rows)  # checks that specs are the trace's
+    causes = HitCauses(specs, conv.links)
+    hooks = [causes.on_finish] + ([kwargs["on_finish"]] if kwargs.get("on_finish") else [])
+    if replay == "conversation":
+        specs = conv.specs
+        hooks.insert(0, conv.on_finish)
+
+    def on_finish(sreq: SimRequest) -> None:
+        for hook in hooks:
+            hook(sreq)
+
+    kwargs["on_finish"] = on_finish
     settings = {"workload": "trace", "trace": str(path), "model": str(model), "memory_gib": memory_gib,
-                "mamba_policy": mamba_policy,
+                "mamba_policy": mamba_policy, "replay": replay, "skip": skip,
                 "limit": limit, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                 "num_speculative_tokens": num_speculative_tokens, "in_flight": in_flight,
                 "one_at_a_time": one_at_a_time}
-    return run_workload(coord, specs, one_at_a_time=one_at_a_time, settings=settings, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens,
-                        num_speculative_tokens=num_speculative_tokens, lag=in_flight, seed=seed, **kwargs)
+    result = run_workload(coord, specs, one_at_a_time=one_at_a_time, settings=settings, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          num_speculative_tokens=num_speculative_tokens, lag=in_flight, seed=seed, **kwargs)
+    result.extra["hit_tokens_by_cause"] = dict(causes.tokens)
+    if replay == "conversation":
+        result.extra.update(conversation_children=conv.num_children, conversation_prompts=conv.conversation_prompts,
+                            strict_fallbacks=conv.strict_fallbacks)
+    return result
 
 
 def run_conversations(model: str | Path = DEFAULT_MODEL, *, num_conversations: int = 8, turns: int = 4,

@@ -267,6 +267,7 @@ class Scheduler(ResultProcessor):
                 sreq.admitted = True
                 mt.prompt_tokens += req.num_prompt_tokens
                 mt.cached_tokens += hit
+                mt.state_missing_tokens += max(0, junction - hit)  # attention hit without a state (causes.py)
                 sreq.hit = hit
             req.num_computed_tokens = hit
             sreq.processed = hit

@@ -138,8 +138,9 @@ def _trace_row(path: Path, lineno: int, raw: bytes) -> tuple[float, int, int, li
 
 
 def load_trace(path: str | Path, *, limit: int | None = None, vocab: int = DEFAULT_VOCAB,
-               max_output_tokens: int | None = None) -> list[RequestSpec]:
-    """The first `limit` requests (all when None) of a Mooncake JSONL trace.
+               max_output_tokens: int | None = None, skip: int = 0) -> list[RequestSpec]:
+    """The first `limit` requests (all when None) of a Mooncake JSONL trace, starting at line
+    ``skip + 1`` (the first `skip` lines are not read as requests; ids are ``trace-{skip + k}``).
 
     ``output_len = max(1, output_length)``, capped at `max_output_tokens` when given. Blank
     lines are skipped.  Requests are returned in file order (the trace is sorted by time).
@@ -148,11 +149,14 @@ def load_trace(path: str | Path, *, limit: int | None = None, vocab: int = DEFAU
         TraceFormatError: the file cannot be read, or a line is malformed: not UTF-8, not a
             JSON object, a missing field, a timestamp that is not a finite number >= 0 (JSON
             ``NaN`` / ``Infinity`` are refused), bad lengths or hash ids (the message names the
-            file and the 1-based line number).
+            file and the 1-based line number); `limit` <= 0, `skip` < 0, or no request after
+            line `skip`.
     """
     p = Path(path)
     if limit is not None and limit <= 0:
         raise TraceFormatError(f"limit must be > 0, got {limit}")
+    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+        raise TraceFormatError(f"skip must be an int >= 0, got {skip!r}")
     tokens = _BlockTokens(vocab)
     out: list[RequestSpec] = []
     try:
@@ -163,6 +167,8 @@ def load_trace(path: str | Path, *, limit: int | None = None, vocab: int = DEFAU
         for lineno, line in enumerate(f, 1):
             if limit is not None and len(out) >= limit:
                 break
+            if lineno <= skip:
+                continue
             row = _trace_row(p, lineno, line)
             if row is None:
                 continue
@@ -175,9 +181,9 @@ def load_trace(path: str | Path, *, limit: int | None = None, vocab: int = DEFAU
                 k = -(-n // TRACE_BLOCK_TOKENS)
                 return np.concatenate([tokens(h) for h in ids[:k]])[:n]
 
-            out.append(RequestSpec(f"trace-{len(out)}", ts, n_in, n_out, make))
+            out.append(RequestSpec(f"trace-{skip + len(out)}", ts, n_in, n_out, make))
     if not out:
-        raise TraceFormatError(f"{p}: no requests")
+        raise TraceFormatError(f"{p}: no requests" + (f" after line {skip}" if skip else ""))
     return out
 
 
