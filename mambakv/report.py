@@ -17,8 +17,9 @@ one row per KV-cache group: kind, layers, block size (tokens), the most blocks i
 at once (and MiB), and for Mamba groups the most blocks one request held (at most 2 + speculative
 tokens + steps in flight); then the pool's peak, whether every block came back, requests
 finished / rejected (a prompt of max_model_len tokens or more is rejected before the run), the
-prefix hit rate (cached / prompt tokens, each request counted at its first admission),
-preemptions, evictions, state copies, scheduler steps, the simulated time of the step clock
+prefix hit rate (cached / prompt tokens, each request counted at its first admission), for a
+trace the hit tokens by cause (shared first block / next turn / branch / repeat) and the tokens
+whose KV was cached where no Mamba state was (state missing), preemptions, evictions, state copies, scheduler steps, the simulated time of the step clock
 (--step-ms + --ms-per-token x scheduled tokens per step), wall time and the time spent inside
 the library. --json prints the same numbers as one object."""
 
