@@ -18,6 +18,7 @@ from mambakv.core.errors import (
     InvalidBlockError,
     InvalidCopyPlanError,
     InvalidDraftCountError,
+    InvalidHashError,
     InvalidRequestError,
     InvalidSpecError,
     InvalidTokenCountError,
@@ -65,7 +66,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AllBlocksCleared", "BlockNotFreeError", "BlockPool", "BlockRemoved", "BlockStored", "CopyBackend", "DoubleFreeError",
     "FreeBlockQueue", "FullAttentionManager", "FullAttentionSpec", "HashBlockSizeMismatchError",
-    "InvalidBlockError", "InvalidCopyPlanError", "InvalidDraftCountError", "InvalidRequestError", "InvalidSpecError", "InvalidTokenCountError", "KVCacheBlock", "KVCacheBlocks",
+    "InvalidBlockError", "InvalidCopyPlanError", "InvalidDraftCountError", "InvalidHashError", "InvalidRequestError", "InvalidSpecError", "InvalidTokenCountError", "KVCacheBlock", "KVCacheBlocks",
     "KVCacheConfig", "KVCacheCoordinator", "KVCacheGroupSpec", "KVCacheSpec", "LazyMambaManager", "MambaCacheMode",
     "MambaKVError",
     "MambaManager", "MambaSpec", "MambaStatePool", "ModelConfigError", "OutOfBlocksError", "PrefixCacheStats",

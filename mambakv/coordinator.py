@@ -27,6 +27,8 @@ from mambakv.core.block_pool import BlockPool
 from mambakv.core.errors import (
     HashBlockSizeMismatchError,
     InvalidDraftCountError,
+    InvalidRequestError,
+    InvalidSpecError,
     InvalidTokenCountError,
     as_count,
 )
@@ -73,21 +75,34 @@ class KVCacheCoordinator(CoordinatorQueries):
             "lazy-evict" benchmark policy; the default never does).
 
     Raises:
-        HashBlockSizeMismatchError: `hash_block_size` does not divide a group's block size.
+        HashBlockSizeMismatchError: `hash_block_size` is not a positive int or does not divide a
+            group's block size (or, when None, the smallest block size does not divide the others).
         InvalidTokenCountError: `max_model_len` is not a positive int.
-        InvalidSpecError: a group's spec has no manager.
+        InvalidSpecError: `kv_cache_config` is not a KVCacheConfig, a group's spec has no manager,
+            or `max_num_seqs` is not a positive int.
     """
 
     def __init__(self, kv_cache_config: KVCacheConfig, *, max_model_len: int, enable_caching: bool = True,
                  use_eagle: bool = False, hash_block_size: int | None = None,
                  enable_kv_cache_events: bool = False, max_num_seqs: int = 256,
                  lazy_spare_may_evict: bool = False) -> None:
+        if not isinstance(kv_cache_config, KVCacheConfig):
+            raise InvalidSpecError(f"kv_cache_config must be a KVCacheConfig, got {type(kv_cache_config).__name__}")
         groups = kv_cache_config.kv_cache_groups
         sizes = [g.kv_cache_spec.block_size for g in groups]
-        self.hash_block_size = min(sizes) if hash_block_size is None else hash_block_size
-        if self.hash_block_size <= 0 or any(s % self.hash_block_size for s in sizes):
-            raise HashBlockSizeMismatchError(f"hash_block_size {self.hash_block_size} must divide every block size {sizes}")
+        if hash_block_size is None:
+            self.hash_block_size = min(sizes)
+            if any(s % self.hash_block_size for s in sizes):
+                raise HashBlockSizeMismatchError(
+                    f"the groups' block sizes {sizes} have no default hash block size (the smallest, "
+                    f"{self.hash_block_size}, does not divide them all): pass hash_block_size={math.gcd(*sizes)}")
+        else:
+            self.hash_block_size = as_count(hash_block_size, "hash_block_size", 1, error=HashBlockSizeMismatchError)
+            if any(s % self.hash_block_size for s in sizes):
+                raise HashBlockSizeMismatchError(
+                    f"hash_block_size {self.hash_block_size} must divide every block size {sizes}")
         self.max_model_len = as_count(max_model_len, "max_model_len", 1)
+        as_count(max_num_seqs, "max_num_seqs", 1, error=InvalidSpecError)
         self.kv_cache_config = kv_cache_config
         self.enable_caching = enable_caching
         self.use_eagle = use_eagle
@@ -157,7 +172,10 @@ class KVCacheCoordinator(CoordinatorQueries):
             num_new_tokens = as_count(num_new_tokens, "num_new_tokens", 1)
             num_new_computed_tokens = as_count(num_new_computed_tokens, "num_new_computed_tokens")
             num_lookahead_tokens = as_count(num_lookahead_tokens, "num_lookahead_tokens")
-        rid = request.request_id
+        try:
+            rid = request.request_id
+        except AttributeError:
+            raise InvalidRequestError(f"allocate needs a Request, got {type(request).__name__}") from None
         live = self._live.get(rid)
         if (live is None or live.request is not request or num_new_computed_tokens
                 or request.num_computed_tokens > live.num_scheduled):  # all but a running request's step
@@ -216,6 +234,7 @@ class KVCacheCoordinator(CoordinatorQueries):
         # commit
         if live is None:
             live = self._live[rid] = RequestState(request, tuple(p.table(rid) for p in policies), num_tokens)
+            self._count_admission(request, num_new_computed_tokens)
         elif live.num_scheduled < num_tokens:
             live.num_scheduled = num_tokens
         if hits is not self._no_hits:
@@ -251,6 +270,20 @@ class KVCacheCoordinator(CoordinatorQueries):
             self._copies_pending = self._zeros_pending = True
         # Most decode steps need no block: hand out one shared empty result (do not mutate it).
         return KVCacheBlocks(tuple(new_blocks)) if any_new else self._empty_blocks
+
+    def _count_admission(self, request: Request, num_hit_tokens: int) -> None:
+        """PrefixCacheStats: once per admission; a Request seen before is a resumed preemption."""
+        if self.enable_caching:
+            stats = self.prefix_cache_stats
+            if request.num_admissions:
+                stats.preempted_requests += 1
+                stats.preempted_queries += request.num_tokens
+                stats.preempted_hits += num_hit_tokens
+            else:
+                stats.requests += 1
+                stats.queries += request.num_tokens
+                stats.hits += num_hit_tokens
+        request.num_admissions += 1
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int, *, num_new_computed_tokens: int = 0,
                           new_computed_blocks: KVCacheBlocks | None = None, num_lookahead_tokens: int = 0) -> int:
@@ -291,6 +324,8 @@ class KVCacheCoordinator(CoordinatorQueries):
             raise InvalidTokenCountError(f"num_processed_tokens must be >= 0, got {num_processed_tokens}")
         live = self._live.get(request_id)
         if live is None or num_processed_tokens == 0:
+            if type(request_id) is not str:
+                raise InvalidRequestError(f"request ids are strs, got {type(request_id).__name__} {request_id!r}")
             return
         request = live.request
         if num_processed_tokens > request.num_tokens or num_processed_tokens > live.num_scheduled:
@@ -358,6 +393,8 @@ class KVCacheCoordinator(CoordinatorQueries):
                 changed (every group is checked before any is freed).
         """
         if request_id not in self._live and not any(request_id in m.req_to_blocks for m in self.managers):
+            if type(request_id) is not str:
+                raise InvalidRequestError(f"request ids are strs, got {type(request_id).__name__} {request_id!r}")
             return
         for m in self.policies:
             m.check_free(request_id)

@@ -56,10 +56,6 @@ class CoordinatorQueries:
         if not self.enable_caching:
             return self._empty_blocks, 0
         hits, length = self._hits.find(request, use_eagle=self.use_eagle)
-        stats = self.prefix_cache_stats
-        stats.requests += 1
-        stats.queries += request.num_tokens
-        stats.hits += length
         return (KVCacheBlocks(tuple(hits)) if length else self._empty_blocks), length
 
     def get_shared_prefix_length(self, request: Request) -> int:

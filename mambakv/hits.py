@@ -27,11 +27,19 @@ from mambakv.plans import KVCacheBlocks
 
 @dataclass
 class PrefixCacheStats:
-    """Prefix-cache lookups: requests looked up, tokens queried and tokens hit."""
+    """Prefix-cache use, counted once per admission (a successful ``allocate`` of a request
+    that held no blocks; a lookup whose allocate fails, or is retried, counts nothing):
+    requests admitted, their tokens (queries) and their hit tokens. A Request admitted again
+    after ``free`` is a resumed preemption: it is counted in the ``preempted_*`` fields
+    instead, so a request recomputing its own blocks is not counted as reuse (vLLM keeps the
+    same split)."""
 
     requests: int = 0
     queries: int = 0
     hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -161,7 +169,11 @@ class PrefixHitFinder:
                 if block.is_null:
                     continue
                 if slot >= len(keys) or block.block_hash != keys[slot] or block.cache_group_id != gid:
-                    raise StaleCacheHitError(
-                        f"hit block {block.block_id} (group {gid}, slot {slot}) was evicted and reused "
-                        f"since get_computed_blocks; look the request up again")
+                    if block.block_hash is None:
+                        why = "was evicted since get_computed_blocks (it holds no prefix now)"
+                    else:
+                        why = ("holds another prefix: another request's hit, or evicted and reused since "
+                               "get_computed_blocks")
+                    raise StaleCacheHitError(f"hit block {block.block_id} (group {gid}, slot {slot}) {why}; "
+                                             f"look this request up again")
         return hits

@@ -14,7 +14,7 @@ step O(1)::
 
 from __future__ import annotations
 
-from mambakv.core.errors import InvalidRequestError, InvalidTokenCountError
+from mambakv.core.errors import InvalidBlockError, InvalidRequestError, InvalidTokenCountError
 from mambakv.core.request import Request
 from mambakv.groups.base import BlockTable, SingleTypeKVCacheManager
 from mambakv.plans import KVCacheBlocks, RequestView, TableView
@@ -58,6 +58,11 @@ def check_computed(request: Request, live: RequestState | None, num_new_computed
         InvalidTokenCountError: computed tokens without blocks or hits to back them.
         InvalidRequestError: another live request has the same id.
     """
+    if not isinstance(request, Request):
+        raise InvalidRequestError(f"allocate needs a Request, got {type(request).__name__}")
+    if new_computed_blocks is not None and not isinstance(new_computed_blocks, KVCacheBlocks):
+        raise InvalidBlockError(f"new_computed_blocks must be the KVCacheBlocks of get_computed_blocks, got "
+                                f"{type(new_computed_blocks).__name__}")
     if live is None:
         if request.num_computed_tokens != 0:
             raise InvalidTokenCountError(

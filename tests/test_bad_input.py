@@ -221,9 +221,156 @@ def test_cli_subprocess_one_line_exit_2(tmp_path, argv, why):
 
 
 # --------------------------------------------------------------------------- 3. coordinator / pool
-# Reserved for the core engineer (coordinator.py, groups/, hits.py, core/block_pool.py are being
-# restructured on another branch): bad calls into KVCacheCoordinator and BlockPool belong here,
-# each asserting a one-line MambaKVError subclass raised before any state changes.
+# Every public entry point of the core with bad input: a one-line MambaKVError subclass, raised
+# before anything changed (the pool's invariants hold and its free count is as before).
+from mambakv import (  # noqa: E402
+    BlockPool,
+    DoubleFreeError,
+    FullAttentionSpec,
+    HashBlockSizeMismatchError,
+    InvalidBlockError,
+    InvalidHashError,
+    InvalidRequestError,
+    InvalidSpecError,
+    InvalidTokenCountError,
+    KVCacheBlocks,
+    KVCacheConfig,
+    KVCacheCoordinator,
+    KVCacheGroupSpec,
+    MambaSpec,
+    Request,
+    StaleCacheHitError,
+    hash_block_tokens,
+    init_none_hash,
+)
+
+
+def _coord() -> tuple[KVCacheCoordinator, Request]:
+    """FA block 4 + Mamba block 4; request "r" (9 tokens) running with 8 computed."""
+    cfg = KVCacheConfig(32, [KVCacheGroupSpec(["a"], FullAttentionSpec(4, 1, 8)),
+                             KVCacheGroupSpec(["m"], MambaSpec(4, ((2, 4),), ("float32",), mode="align"))])
+    coord = KVCacheCoordinator(cfg, max_model_len=64)
+    req = Request("r", list(range(1, 10)))
+    assert coord.allocate(req, 8)
+    req.num_computed_tokens = 8
+    return coord, req
+
+
+def _unchanged(coord: KVCacheCoordinator, free: int, call, error: type[MambaKVError]) -> None:
+    with pytest.raises(error) as info:
+        call()
+    assert "\n" not in str(info.value)
+    coord.check_invariants()
+    assert coord.block_pool.get_num_free_blocks() == free
+
+
+@pytest.mark.parametrize(("what", "error"), [
+    ("allocate a str", InvalidRequestError),
+    ("allocate None", InvalidRequestError),
+    ("hits not KVCacheBlocks", InvalidBlockError),
+    ("tokens a str", InvalidTokenCountError),
+    ("tokens a float", InvalidTokenCountError),
+    ("negative lookahead", InvalidTokenCountError),
+    ("lookahead a float", InvalidTokenCountError),
+    ("drafts >= new tokens", InvalidTokenCountError),
+    ("retire an int id", InvalidRequestError),
+    ("free an int id", InvalidRequestError),
+    ("retire past scheduled", InvalidTokenCountError),
+    ("retire negative", InvalidTokenCountError),
+    ("accept drafts never scheduled", MambaKVError),
+    ("lookup a str", InvalidRequestError),
+])
+def test_coordinator_entry_points_refuse_bad_input(what, error):
+    coord, req = _coord()
+    free = coord.block_pool.get_num_free_blocks()
+    calls = {
+        "allocate a str": lambda: coord.allocate("a", 8),
+        "allocate None": lambda: coord.allocate(None, 8),
+        "hits not KVCacheBlocks": lambda: coord.allocate(Request("s", [1, 2, 3]), 2, num_new_computed_tokens=0,
+                                                         new_computed_blocks=([], [])),
+        "tokens a str": lambda: coord.allocate(req, "1"),
+        "tokens a float": lambda: coord.allocate(req, 1.0),
+        "negative lookahead": lambda: coord.allocate(req, 1, num_lookahead_tokens=-1),
+        "lookahead a float": lambda: coord.allocate(req, 1, num_lookahead_tokens=0.5),
+        "drafts >= new tokens": lambda: coord.allocate(req, 2, num_draft_tokens=2),
+        "retire an int id": lambda: coord.retire(123, 10),
+        "free an int id": lambda: coord.free(5),
+        "retire past scheduled": lambda: coord.retire("r", 9),
+        "retire negative": lambda: coord.retire("r", -1),
+        "accept drafts never scheduled": lambda: coord.accept_drafts("r", 2),
+        "lookup a str": lambda: coord.get_computed_blocks("x"),
+    }
+    _unchanged(coord, free, calls[what], error)
+
+
+def test_coordinator_construction_refuses_bad_input():
+    group = KVCacheGroupSpec(["a"], FullAttentionSpec(12, 1, 8))
+    cfg = KVCacheConfig(8, [group])
+    with pytest.raises(InvalidSpecError, match="KVCacheConfig"):
+        KVCacheCoordinator(None, max_model_len=64)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTokenCountError, match="max_model_len"):
+        KVCacheCoordinator(cfg, max_model_len="1024")  # type: ignore[arg-type]
+    with pytest.raises(InvalidSpecError, match="max_num_seqs"):
+        KVCacheCoordinator(cfg, max_model_len=64, max_num_seqs=0)
+    with pytest.raises(InvalidSpecError, match="list"):
+        KVCacheConfig(10, group)  # type: ignore[arg-type]
+    # 12 and 16: the smallest does not divide the other; the message says what to pass (gcd 4)
+    mixed = KVCacheConfig(8, [group, KVCacheGroupSpec(["m"], MambaSpec(16, ((2, 4),), ("float32",), mode="align"))])
+    with pytest.raises(HashBlockSizeMismatchError, match="hash_block_size=4"):
+        KVCacheCoordinator(mixed, max_model_len=64)
+    assert KVCacheCoordinator(mixed, max_model_len=64, hash_block_size=4).alignment_tokens == 48
+
+
+def test_hashing_and_request_refuse_bad_input():
+    with pytest.raises(InvalidHashError):
+        hash_block_tokens("x", [1])  # type: ignore[arg-type]
+    with pytest.raises(InvalidHashError):
+        init_none_hash("abc")  # type: ignore[arg-type]
+    with pytest.raises(InvalidTokenCountError, match="ends past"):
+        Request("r", [1, 2, 3, 4], mm_hashes=[(2, 4, "img")])  # tokens 2..5 of a 4-token prompt
+    with pytest.raises(InvalidTokenCountError):
+        Request("r", [1, 2, 3, 4], mm_hashes=[("0", 2, "img")])  # type: ignore[list-item]
+
+
+def test_blocks_of_another_pool_are_refused_by_touch_and_free():
+    # Before the fix both pools ended corrupt and the next get_new_blocks handed a block out twice.
+    a, b = BlockPool(8), BlockPool(8)
+    (x,) = a.get_new_blocks(1)
+    (y,) = b.get_new_blocks(1)
+    for call in (lambda: b.touch([x]), lambda: b.free_blocks([y, x]), lambda: a.free_blocks([b.null_block])):
+        free_a, free_b = a.get_num_free_blocks(), b.get_num_free_blocks()
+        with pytest.raises(InvalidBlockError, match="another pool"):
+            call()
+        assert (x.ref_cnt, y.ref_cnt) == (1, 1)
+        assert (a.get_num_free_blocks(), b.get_num_free_blocks()) == (free_a, free_b)
+        a.check_invariants()
+        b.check_invariants()
+    with pytest.raises(DoubleFreeError):
+        a.free_blocks([x, x])
+
+
+def test_another_prompts_hit_is_not_called_evicted():
+    coord, req = _coord()
+    coord.retire("r", 8)
+    other = Request("o", [50] * 9)
+    hit_blocks, n = coord.get_computed_blocks(Request("again", list(range(1, 10))))
+    assert n == 8
+    with pytest.raises(StaleCacheHitError, match="another prefix"):
+        coord.allocate(other, 1, num_new_computed_tokens=n, new_computed_blocks=hit_blocks)
+    assert isinstance(hit_blocks, KVCacheBlocks)
+    coord.check_invariants()
+
+
+def test_state_pool_on_a_missing_device_is_a_spec_error():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from mambakv import MambaStatePool
+
+    with pytest.raises(InvalidSpecError, match="CUDA"):
+        MambaStatePool(MambaSpec(4, ((2, 4),), ("float32",)), 1, 4, device="cuda")
+
+
 def test_errors_are_mambakv_errors():
     assert issubclass(ModelConfigError, MambaKVError) and issubclass(ModelConfigError, ValueError)
 
@@ -234,6 +381,6 @@ def test_every_error_class_is_exported():
     import mambakv.core.errors as errors
 
     classes = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, MambaKVError)}
-    assert "InvalidCopyPlanError" in classes and len(classes) == 14
+    assert "InvalidCopyPlanError" in classes and len(classes) == 15
     for name in classes:
         assert name in mambakv.__all__ and getattr(mambakv, name) is getattr(errors, name)

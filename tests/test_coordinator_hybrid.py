@@ -3,7 +3,7 @@ per Mamba group, statistics, no caching and resetting the cache with requests ru
 
 from __future__ import annotations
 
-from mambakv import KVCacheBlocks, Request
+from mambakv import FullAttentionSpec, KVCacheBlocks, KVCacheConfig, KVCacheCoordinator, KVCacheGroupSpec, Request
 from tests.coord_helpers import coordinator, fa_spec, mamba_coordinator, prefill, snapshot, step, sw_spec, tokens
 from tests.helpers import mamba_spec
 
@@ -69,16 +69,35 @@ def test_hybrid_hits_192_128_0():
 
 
 def test_prefix_cache_stats():
-    # lookups: a 200 tokens / hit 0, b 300 / 192, c 200 / 128, d 90 / 0
+    # admissions: a 200 tokens / hit 0 (prefill_200), b 300 / 192, c 200 / 128, d 90 / 0
     coord = hybrid()
-    coord.get_computed_blocks(Request("a", tokens(200)))
+    coord.get_computed_blocks(Request("a", tokens(200)))  # a lookup alone counts nothing
+    assert coord.prefix_cache_stats.requests == 0
     prefill_200(coord)
     for req in (Request("b", tokens(192) + tokens(108, 5000)), Request("c", tokens(150) + tokens(50, 6000)),
                 Request("d", tokens(40) + tokens(50, 7000))):
-        coord.get_computed_blocks(req)
+        blocks, hit = coord.get_computed_blocks(req)
+        coord.get_computed_blocks(req)  # a retried lookup counts nothing either
+        assert coord.allocate(req, req.num_tokens - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks)
+        coord.free(req.request_id)
     s = coord.prefix_cache_stats
     assert (s.requests, s.queries, s.hits) == (4, 790, 320)
     assert abs(s.hit_rate - 320 / 790) < 1e-12
+
+
+def test_prefix_cache_stats_count_a_resumed_preemption_apart():
+    # Full attention block 4: admit 12 tokens (hit 0), free (preempted), readmit the same Request:
+    # its own 2 published blocks hit (12 - 1) // 4 * 4 = 8 tokens, counted as preempted, not reuse.
+    coord = KVCacheCoordinator(KVCacheConfig(16, [KVCacheGroupSpec(["a"], FullAttentionSpec(4, 1, 8))]),
+                               max_model_len=64)
+    req = Request("r", tokens(12))
+    assert coord.allocate(req, 12)
+    coord.free("r")
+    blocks, hit = coord.get_computed_blocks(req)
+    assert coord.allocate(req, 12 - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks)
+    s = coord.prefix_cache_stats
+    assert (s.requests, s.queries, s.hits) == (1, 12, 0)
+    assert (s.preempted_requests, s.preempted_queries, s.preempted_hits) == (1, 12, 8)
 
 
 def non_prefix_closed(evict: bool):

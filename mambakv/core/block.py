@@ -26,6 +26,8 @@ class KVCacheBlock:
         block_hash: prefix-cache key (16-byte digest) while the block is published, else None.
         cache_group_id: KV-cache group whose prefix-cache map holds ``block_hash`` (-1 if none).
         is_null: True only for block 0.
+        pool_id: the id of the BlockPool that created the block (-1 for a block made alone):
+            the pool refuses another pool's blocks with one compare.
 
     Blocks compare and hash by identity (no field equality): a list ``remove`` or ``in``
     never walks fields.
@@ -37,6 +39,7 @@ class KVCacheBlock:
         "block_hash",
         "cache_group_id",
         "is_null",
+        "pool_id",
         "prev_free_block",
         "next_free_block",
     )
@@ -47,6 +50,7 @@ class KVCacheBlock:
         self.block_hash: bytes | None = None
         self.cache_group_id = -1
         self.is_null = False
+        self.pool_id = -1
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
 

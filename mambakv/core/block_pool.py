@@ -18,6 +18,7 @@ append-only and never de-duplicated).
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Iterable, Sequence
 
@@ -29,6 +30,7 @@ __all__ = ["AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "KVCa
 
 
 _MapEntry = KVCacheBlock | dict[int, KVCacheBlock]
+_POOL_IDS = itertools.count()
 
 
 class BlockPool:
@@ -48,6 +50,10 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        #: distinguishes this pool's blocks from any other pool's (``KVCacheBlock.pool_id``)
+        self.pool_id = next(_POOL_IDS)
+        for b in self.blocks:
+            b.pool_id = self.pool_id
         self.free_block_queue = FreeBlockQueue(self.blocks)
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
@@ -142,10 +148,14 @@ class BlockPool:
 
         Raises:
             InvalidBlockError: a real block is listed twice (the table would hold it twice and
-                could never be freed); nothing changes.
+                could never be freed), or a block of another pool; nothing changes.
         """
         if not isinstance(blocks, (list, tuple)):
             blocks = list(blocks)
+        pid = self.pool_id
+        for block in blocks:
+            if block.pool_id != pid:
+                raise InvalidBlockError(f"block {block.block_id} belongs to another pool")
         if len(blocks) > 1:
             # Blocks hash by identity: two C-level passes, no Python loop.
             nulls = blocks.count(self.null_block)
@@ -166,9 +176,11 @@ class BlockPool:
         queue: unhashed ones to the head, hashed ones to the tail (see the module docstring).
         The null block is skipped.
 
-        Raises:
+        Raises (nothing changes):
             DoubleFreeError: a block is at ref count 0, or appears in `blocks` more than once
-                (no block table holds a block twice); nothing changes.
+                (no block table holds a block twice).
+            InvalidBlockError: a block of another pool (one compare per block, in the same
+                pass as the ref counts).
         """
         if type(blocks) is not list:
             blocks = list(blocks)
@@ -179,9 +191,10 @@ class BlockPool:
         unhashed: list[KVCacheBlock] = []
         hashed: list[KVCacheBlock] = []
         to_head, to_tail = unhashed.append, hashed.append
+        pid = self.pool_id
         for block in blocks:
             ref_cnt = block.ref_cnt - 1
-            if ref_cnt < 0:
+            if ref_cnt < 0 or block.pool_id != pid:
                 self._undo_free(blocks, block)
             block.ref_cnt = ref_cnt
             if ref_cnt == 0:
@@ -202,11 +215,13 @@ class BlockPool:
         dup = next(i for i in ids if ids.count(i) > 1)
         raise DoubleFreeError(f"block {dup} listed more than once in one free_blocks call")
 
-    @staticmethod
-    def _undo_free(blocks: list[KVCacheBlock], bad: KVCacheBlock) -> None:
-        """`bad` is at ref count 0: restore the blocks already decremented, then raise."""
+    def _undo_free(self, blocks: list[KVCacheBlock], bad: KVCacheBlock) -> None:
+        """`bad` is at ref count 0 or another pool's: restore the blocks already decremented,
+        then raise."""
         for block in blocks[: blocks.index(bad)]:
             block.ref_cnt += 1
+        if bad.pool_id != self.pool_id:
+            raise InvalidBlockError(f"block {bad.block_id} belongs to another pool")
         raise DoubleFreeError(f"block {bad.block_id} freed at ref count {bad.ref_cnt}")
 
     # ------------------------------------------------------------------ prefix cache

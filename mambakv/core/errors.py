@@ -66,6 +66,11 @@ class InvalidCopyPlanError(MambaKVError, ValueError):
     block as a destination, a destination twice, or a source that another pair writes."""
 
 
+class InvalidHashError(MambaKVError, TypeError):
+    """A hash-chain input has the wrong type: a parent digest that is not bytes, or a seed
+    of ``init_none_hash`` that is not an int."""
+
+
 class InvalidRequestError(MambaKVError, ValueError):
     """A request is malformed (its id is not a str, a bad ``max_tokens``), or its id belongs
     to another live request."""

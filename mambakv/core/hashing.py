@@ -24,7 +24,7 @@ from typing import Any, cast
 import numpy as np
 import xxhash
 
-from mambakv.core.errors import InvalidTokenCountError
+from mambakv.core.errors import InvalidHashError, InvalidTokenCountError
 
 _digest = xxhash.xxh3_128_digest
 TOKEN_DTYPE = np.dtype("<i4")
@@ -45,6 +45,8 @@ def init_none_hash(seed: int | None = None) -> None:
     call it before building pools.
     """
     global NONE_HASH
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise InvalidHashError(f"init_none_hash needs an int seed or None, got {seed!r}")
     if seed is None:
         env = os.environ.get("PYTHONHASHSEED", "")
         seed = int(env) if env.isdigit() else None
@@ -106,7 +108,13 @@ def hash_block_tokens(parent: bytes | None, token_ids: Sequence[int] | np.ndarra
     """Digest of one block: ``xxh3_128(parent + int32 LE token bytes + extra keys)``.
 
     `parent` None means the first block of a request (the chain seed NONE_HASH).
+
+    Raises:
+        InvalidHashError: `parent` is neither bytes nor None.
+        InvalidTokenCountError: a token id outside ``0 .. 2**31 - 1`` or not an int.
     """
+    if parent is not None and not isinstance(parent, bytes):
+        raise InvalidHashError(f"parent must be a digest (bytes) or None, got {type(parent).__name__}")
     raw = token_ids if isinstance(token_ids, bytes) else as_token_array(token_ids).tobytes()
     return _digest((NONE_HASH if parent is None else parent) + raw + encode_extra_keys(extra_keys))
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mambakv.core.errors import HashBlockSizeMismatchError, InvalidRequestError, InvalidTokenCountError
+from mambakv.core.errors import HashBlockSizeMismatchError, InvalidRequestError, InvalidTokenCountError, as_count
 from mambakv.core.hashing import TOKEN_DTYPE, TOKEN_MAX, as_token_array, encode_extra_keys, hash_blocks
 
 
@@ -41,7 +41,7 @@ class Request:
         HashBlockSizeMismatchError: a non-positive hash_block_size.
     """
 
-    __slots__ = ("request_id", "num_prompt_tokens", "num_computed_tokens", "lora_name", "lora_id", "cache_salt",
+    __slots__ = ("request_id", "num_prompt_tokens", "num_computed_tokens", "num_admissions", "lora_name", "lora_id", "cache_salt",
                  "mm_hashes", "max_tokens", "_tokens", "_num_tokens", "_hash_block_size", "_block_hashes")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray, *,
@@ -61,12 +61,24 @@ class Request:
             raise InvalidTokenCountError(f"request {request_id!r} has an empty prompt")
         if hash_block_size is not None and (not isinstance(hash_block_size, int) or hash_block_size <= 0):
             raise HashBlockSizeMismatchError(f"hash_block_size must be a positive int, got {hash_block_size!r}")
-        items = tuple((int(o), int(n), str(h)) for o, n, h in (mm_hashes or ()))
+        try:
+            items = tuple((as_count(o, "mm_hashes offset"), as_count(n, "mm_hashes length"), str(h))
+                          for o, n, h in (mm_hashes or ()))
+        except (TypeError, ValueError) as e:
+            if isinstance(e, InvalidTokenCountError):
+                raise
+            raise InvalidTokenCountError(f"mm_hashes must be (offset, length, hash) items: {e}") from None
         if any(o < 0 or n <= 0 for o, n, _ in items):
             raise InvalidTokenCountError(f"mm_hashes need offset >= 0 and length > 0, got {items}")
+        beyond = [item for item in items if item[0] + item[1] > tokens.size]
+        if beyond:
+            raise InvalidTokenCountError(f"mm_hashes item {beyond[0]} ends past the {tokens.size}-token prompt")
         self.request_id = request_id
         self.num_prompt_tokens = int(tokens.size)
         self.num_computed_tokens = 0
+        #: times a coordinator admitted it (allocated for it while it held no blocks); > 0 when
+        #: it comes back after a preemption
+        self.num_admissions = 0
         self.lora_name = lora_name
         self.lora_id = None if lora_id is None else int(lora_id)
         self.cache_salt = cache_salt

@@ -290,8 +290,11 @@ class KVCacheConfig:
     kv_cache_groups: list[KVCacheGroupSpec]
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_blocks, int) or self.num_blocks < 2:
+        if not isinstance(self.num_blocks, int) or isinstance(self.num_blocks, bool) or self.num_blocks < 2:
             raise InvalidSpecError(f"num_blocks must be an int >= 2 (block 0 is null), got {self.num_blocks!r}")
+        if not isinstance(self.kv_cache_groups, (list, tuple)):
+            raise InvalidSpecError(f"kv_cache_groups must be a list of KVCacheGroupSpecs, got "
+                                   f"{type(self.kv_cache_groups).__name__}")
         if not self.kv_cache_groups:
             raise InvalidSpecError("a KVCacheConfig needs at least one KV-cache group")
         seen: set[str] = set()

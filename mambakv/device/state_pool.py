@@ -68,6 +68,20 @@ def torch_dtype(dtype: Any) -> torch.dtype:
     return found
 
 
+def checked_device(device: Any) -> torch.device:
+    """``torch.device(device)``, refusing one this torch build cannot allocate on.
+
+    Raises:
+        InvalidSpecError: not a device name, or CUDA on a build / machine without it."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidSpecError(f"bad device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidSpecError(f"device {device!r}: this torch build has no CUDA device available")
+    return dev
+
+
 def default_device() -> torch.device:
     """CUDA when present, CPU otherwise."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -174,7 +188,7 @@ class MambaStatePool:
         self._rows: list[torch.Tensor] | None = None
         self._scratch: torch.Tensor | None = None
         if views is None:
-            self.device = torch.device(device) if device is not None else default_device()
+            self.device = checked_device(device) if device is not None else default_device()
             self._states = self._allocate()
         else:
             first = views[0][0] if views and views[0] else None
