@@ -2,20 +2,35 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from mambakv.coordinator import KVCacheCoordinator
-from mambakv.groups import MambaManager
+from mambakv.groups import MambaManager, SingleTypeKVCacheManager
+
+
+def measure_timer_overhead(samples: int = 2000) -> float:
+    """Seconds one timed library call adds by its own timing (two ``perf_counter`` calls and
+    one accumulation), the median of `samples` empty timed regions."""
+    now = time.perf_counter
+    acc = 0.0
+    costs = []
+    for _ in range(samples):
+        t0 = now()
+        t = now()
+        acc += now() - t
+        costs.append(now() - t0)
+    costs.sort()
+    return costs[len(costs) // 2]
+
 
 __all__ = ["GroupMetrics", "SimMetrics", "group_kind", "group_usage"]
 
 
-def group_kind(manager: object) -> str:
-    """``"full_attention"``, ``"sliding_window"`` or ``"mamba"`` (the manager's class)."""
-    name = type(manager).__name__
-    return {"FullAttentionManager": "full_attention", "SlidingWindowManager": "sliding_window",
-            "MambaManager": "mamba", "LazyMambaManager": "mamba"}.get(name, name)
+def group_kind(manager: SingleTypeKVCacheManager) -> str:
+    """``"full_attention"``, ``"sliding_window"`` or ``"mamba"``: the manager's GroupKind."""
+    return manager.kind.value
 
 
 def group_usage(coord: KVCacheCoordinator) -> list[int]:
@@ -69,9 +84,13 @@ class SimMetrics:
     (a recompute after preemption is not counted again); ``hit_rate = cached / prompt``.
     ``state_missing_tokens``: at each first admission, the attention-only hit
     (``get_shared_prefix_length``) minus the hit, summed (0 unless Mamba groups align).
-    ``library_s`` is ``time.perf_counter`` time inside coordinator calls (prompt hashing
-    included: ``get_computed_blocks`` hashes lazily) and ``Request`` appends; ``pool_s`` inside
-    ``MambaStatePool`` copies.  ``series`` samples ``(step, clock_ms, blocks per group,
+    Time (``time.perf_counter``): ``library_s`` inside coordinator calls and ``Request``
+    appends, each call timed (``library_calls`` of them; ``library_net_s`` subtracts the
+    timers' own cost, measured once per run as ``timer_overhead_s`` per call); ``step_s`` the
+    whole of every scheduler step, timed once per step (the same scope as an engine's
+    per-step loop: scheduling, library calls, result processing), minus ``hash_s``, the
+    prompts' block hashing at admission (done before the lookup, apart from both figures);
+    ``pool_s`` inside ``MambaStatePool`` copies.  ``series`` samples ``(step, clock_ms, blocks per group,
     running hit rate)`` whenever an allocation may have changed the usage.
     """
 
@@ -89,6 +108,10 @@ class SimMetrics:
     peak_running: int = 0
     copies: int = 0
     library_s: float = 0.0
+    library_calls: int = 0
+    timer_overhead_s: float = field(default_factory=lambda: measure_timer_overhead())
+    step_s: float = 0.0
+    hash_s: float = 0.0
     pool_s: float = 0.0
     wall_s: float = 0.0
     clock_ms: float = 0.0
@@ -97,6 +120,16 @@ class SimMetrics:
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def library_net_s(self) -> float:
+        """``library_s`` less the timers' own cost (``library_calls x timer_overhead_s``)."""
+        return max(0.0, self.library_s - self.library_calls * self.timer_overhead_s)
+
+    @property
+    def step_net_s(self) -> float:
+        """``step_s`` less the prompt hashing inside it (``hash_s``)."""
+        return max(0.0, self.step_s - self.hash_s)
 
     def observe_usage(self, coord: KVCacheCoordinator) -> None:
         """Update per-group and pool peaks from the current tables (call after allocations)."""

@@ -82,6 +82,7 @@ class ResultProcessor:
         plan = self.coord.take_copy_plan()
         self.coord.take_checkpoint_writes()  # lazy Mamba groups: the kernels' boundary writes (no device here)
         self.metrics.library_s += _now() - t
+        self.metrics.library_calls += 1
         self.metrics.copies += sum(len(p) for p in plan.values())
         self._run_copies(plan, zero)
 
@@ -114,6 +115,7 @@ class ResultProcessor:
                 t = _now()
                 pairs = coord.accept_drafts(rid, accepted)
                 mt.library_s += _now() - t
+                mt.library_calls += 1
                 mt.copies += sum(len(p) for p in pairs.values())
                 self._run_copies(pairs)
                 req.num_computed_tokens -= drafts - accepted
@@ -125,6 +127,7 @@ class ResultProcessor:
                 t = _now()
                 req.append_output_token_ids(ids)  # Request is library code: its appends count
                 mt.library_s += _now() - t
+                mt.library_calls += 1
                 sreq.num_outputs += k
                 mt.output_tokens += k
             if sreq.processed > req.num_tokens:  # accepted drafts beyond the output cap are dropped
@@ -136,6 +139,7 @@ class ResultProcessor:
             if done:
                 coord.free(rid)
             mt.library_s += _now() - t
+            mt.library_calls += 1
             if done:
                 sreq.finished = True
                 sreq.is_running = False

@@ -139,6 +139,10 @@ class SimResult:
             "library_s": round(m.library_s, 4),
             "library_ms": round(m.library_s * 1e3, 3),
             "library_us_per_step": round(m.library_s * 1e6 / m.steps, 2) if m.steps else 0.0,
+            "library_calls": m.library_calls,
+            "library_net_us_per_step": round(m.library_net_s * 1e6 / m.steps, 2) if m.steps else 0.0,
+            "step_us": round(m.step_net_s * 1e6 / m.steps, 2) if m.steps else 0.0,
+            "hash_ms": round(m.hash_s * 1e3, 3),
             "blocks_returned": self.blocks_returned,
             **self.extra,
         }

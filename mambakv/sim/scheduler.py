@@ -143,6 +143,7 @@ class Scheduler(ResultProcessor):
         new = self.coord.allocate(req, n, num_new_computed_tokens=num_new_computed_tokens,
                                   new_computed_blocks=new_computed_blocks, num_draft_tokens=num_draft_tokens)
         self.metrics.library_s += _now() - t
+        self.metrics.library_calls += 1
         return new
 
     def _after_allocate(self, sreq: SimRequest, new: KVCacheBlocks) -> bool:
@@ -161,6 +162,7 @@ class Scheduler(ResultProcessor):
         t = _now()
         self.coord.free(sreq.request.request_id)
         self.metrics.library_s += _now() - t
+        self.metrics.library_calls += 1
         self.running.remove(sreq)
         sreq.is_running = False
         sreq.generation += 1
@@ -171,11 +173,20 @@ class Scheduler(ResultProcessor):
         self.metrics.preemptions += 1
 
     def step(self) -> int:
-        """Schedule one step; returns the tokens scheduled (0: nothing could run)."""
+        """Schedule one step (and process the results that come back in it); returns the
+        tokens scheduled (0: nothing could run). Timed once as a whole: ``SimMetrics.step_s``
+        (prompt hashing, done at admission, is timed apart in ``hash_s``)."""
+        t0 = _now()
+        tokens = self._step()
+        self.metrics.step_s += _now() - t0
+        return tokens
+
+    def _step(self) -> int:
         coord, mt = self.coord, self.metrics
         t = _now()
         coord.new_step()
         mt.library_s += _now() - t
+        mt.library_calls += 1
         budget = self.budget
         batch: list[ScheduledEntry] = []
         grew = preempted = False
@@ -241,9 +252,15 @@ class Scheduler(ResultProcessor):
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             sreq = self.waiting[0]
             req = sreq.request
+            if req.hash_block_size is None:  # hash the prompt once, outside the library's time
+                t = _now()
+                req.set_hash_block_size(coord.hash_block_size)
+                req.block_hashes  # noqa: B018 - computes and keeps the hashes
+                mt.hash_s += _now() - t
             t = _now()
             hits, hit = coord.get_computed_blocks(req)
             mt.library_s += _now() - t
+            mt.library_calls += 1
             if self.reserve_full_prompt and self.running and not self._fits(req, hits, hit):
                 break
             junction = 0
@@ -251,6 +268,7 @@ class Scheduler(ResultProcessor):
                 t = _now()
                 junction = coord.get_shared_prefix_length(req)
                 mt.library_s += _now() - t
+                mt.library_calls += 1
             n = self.prefill_chunk(hit, req.num_tokens, budget, junction)
             new = self._timed_allocate(req, n, num_new_computed_tokens=hit, new_computed_blocks=hits,
                                        num_draft_tokens=0)
@@ -285,6 +303,7 @@ class Scheduler(ResultProcessor):
         need = coord.num_blocks_needed(req, req.num_tokens - hit, num_new_computed_tokens=hit, new_computed_blocks=hits)
         ok = need <= coord.block_pool.get_num_free_blocks()
         self.metrics.library_s += _now() - t
+        self.metrics.library_calls += 1
         return ok
 
     def _may_schedule_ahead(self, sreq: SimRequest) -> bool:
