@@ -1,0 +1,132 @@
+"""The step-results side of :class:`~mambakv.coordinator.KVCacheCoordinator`: what an engine
+calls when a step's outputs come back (``retire``, ``accept_drafts``) and when a request ends
+(``free``, ``preempt_all``). Each call checks every group first, then publishes, then frees."""
+
+from __future__ import annotations
+
+from mambakv.core.errors import InvalidDraftCountError, InvalidRequestError, InvalidTokenCountError, as_count
+from mambakv.core.request import Request
+from mambakv.groups import LazyMambaManager, MambaManager, SingleTypeKVCacheManager
+from mambakv.request_state import RequestState
+
+__all__ = ["CoordinatorResults"]
+
+
+class CoordinatorResults:
+    """Mixed into KVCacheCoordinator, which sets every attribute declared here."""
+
+    managers: tuple[SingleTypeKVCacheManager, ...]
+    policies: tuple[SingleTypeKVCacheManager, ...]
+    lazy_managers: tuple[LazyMambaManager, ...]
+    enable_caching: bool
+    _mamba_policies: tuple[MambaManager, ...]
+    _live: dict[str, RequestState]
+
+    def retire(self, request_id: str, num_processed_tokens: int) -> None:
+        """Outputs came back: `num_processed_tokens` (settled, never the optimistic scheduled
+        count) of the request are processed. First publish what is now known (attention blocks
+        full within the processed real tokens, Mamba states that settled), then retire what no
+        group needs any more. Idempotent; a request holding no blocks is a no-op. O(1) below
+        the request's next event.
+
+        Raises (nothing changed):
+            InvalidTokenCountError: a negative count, or more than the request's tokens or than
+                any ``allocate`` covered (tokens never scheduled cannot be processed).
+            InvalidDraftCountError: the count passes a step with drafts whose ``accept_drafts``
+                has not come.
+        """
+        if type(num_processed_tokens) is not int:
+            num_processed_tokens = as_count(num_processed_tokens, "num_processed_tokens")
+        elif num_processed_tokens < 0:
+            raise InvalidTokenCountError(f"num_processed_tokens must be >= 0, got {num_processed_tokens}")
+        live = self._live.get(request_id)
+        if live is None or num_processed_tokens == 0:
+            if type(request_id) is not str:
+                raise InvalidRequestError(f"request ids are strs, got {type(request_id).__name__} {request_id!r}")
+            return
+        request = live.request
+        if num_processed_tokens > request.num_tokens or num_processed_tokens > live.num_scheduled:
+            raise InvalidTokenCountError(
+                f"request {request_id!r} has {request.num_tokens} tokens, {live.num_scheduled} "
+                f"scheduled: cannot have processed {num_processed_tokens}")
+        if num_processed_tokens < live.retire_quiet:
+            return
+        policies, tables = self.policies, live.tables
+        if self.lazy_managers:  # lazy groups settle decode steps at every retire, inside their own calls
+            self._retire_lazy(request, num_processed_tokens)
+            live.refresh(policies)
+            return
+        dead = [m.dead_slots(t, num_processed_tokens) for m, t in zip(policies, tables)]  # raises first
+        if self.enable_caching:  # publish, then retire: a state published and retired lands cached
+            for m in policies:
+                m.cache_blocks(request, num_processed_tokens)
+        quiet = 1 << 62
+        for m, t, num_dead in zip(policies, tables, dead):
+            if num_dead > t.retired_below:
+                m.retire_slots(t, num_dead)
+            m.settle(t, num_processed_tokens)
+            nxt = m.next_event(t)
+            if nxt < quiet:
+                quiet = nxt
+        live.retire_quiet = quiet
+        live.refresh(policies)
+
+    def _retire_lazy(self, request: Request, num_processed_tokens: int) -> None:
+        """``retire`` with ALIGN_LAZY groups: each group's own publish and retire calls."""
+        rid = request.request_id
+        for m, t in zip(self.policies, self._live[rid].tables):
+            m.dead_slots(t, num_processed_tokens)  # raises before anything changes
+        if self.enable_caching:
+            for m in self.policies:
+                m.cache_blocks(request, num_processed_tokens)
+        for m in self.policies:
+            m.remove_skipped_blocks(rid, num_processed_tokens)
+
+    def accept_drafts(self, request_id: str, num_accepted: int) -> dict[int, list[tuple[int, int]]]:
+        """After a verify step: per Mamba group, the copies (accepted scratch -> running
+        block) to run after the step's forward. See MambaManager.accept_drafts.
+
+        Raises (nothing changed):
+            InvalidDraftCountError: `num_accepted` outside the step's draft count.
+        """
+        num_accepted = as_count(num_accepted, "num_accepted", error=InvalidDraftCountError)
+        out = {}
+        for m in self._mamba_policies:
+            for gid, pairs in zip(m.column_ids, m.accept_drafts_columns(request_id, num_accepted)):
+                if pairs:
+                    out[gid] = pairs
+        live = self._live.get(request_id)
+        if live is not None:  # the verify moved states: the next allocate / retire recount
+            live.retire_quiet = 0
+            live.refresh(self.policies)
+        return out
+
+    def free(self, request_id: str) -> None:
+        """A request finished or is preempted: free every group's table and drop its one
+        RequestState. Unknown ids are a no-op.
+
+        Raises:
+            DoubleFreeError: a block of its tables is already free (an earlier misuse); nothing
+                changed (every group is checked before any is freed).
+        """
+        if request_id not in self._live and not any(request_id in m.req_to_blocks for m in self.managers):
+            if type(request_id) is not str:
+                raise InvalidRequestError(f"request ids are strs, got {type(request_id).__name__} {request_id!r}")
+            return
+        for m in self.policies:
+            m.check_free(request_id)
+        for m in self.policies:
+            m.free(request_id)
+        self._live.pop(request_id, None)
+
+    def preempt_all(self) -> list[str]:
+        """Free every request (the engine re-queues them to recompute) and return their ids,
+        so that ``reset_prefix_cache`` can succeed with requests running. Each preempted
+        request's ``num_computed_tokens`` is set to 0 (it recomputes from scratch), and every
+        piece of its bookkeeping, pending state copies included, is dropped: resumed, it
+        looks up its prefix and builds a fresh table like a new request."""
+        requests = [live.request for live in self._live.values()]
+        for request in requests:
+            self.free(request.request_id)
+            request.num_computed_tokens = 0
+        return [r.request_id for r in requests]
