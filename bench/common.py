@@ -116,9 +116,9 @@ def hybrid_prefill(coord: KVCacheCoordinator, prompt, in_flight: int, budget: in
             n = last_boundary - computed
         if steps == 0:
             blocks, hit = coord.get_computed_blocks(req)
-            out = coord.allocate(req, n - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks)
+            out = coord.allocate(req, n - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks, num_draft_tokens=0)
         else:
-            out = coord.allocate(req, n)
+            out = coord.allocate(req, n, num_draft_tokens=0)
         coord.take_copy_plan()
         coord.take_zero_plan()
         sched_s += time.perf_counter() - t0
@@ -141,7 +141,8 @@ def decode_setup(num_reqs: int, prompt_len: int = 2000, steps: int = 200, nspec:
     for i in range(num_reqs):
         req = Request(f"d{i}", rng.integers(0, VOCAB, prompt_len, dtype=np.int32))
         blocks, hit = coord.get_computed_blocks(req)
-        assert coord.allocate(req, prompt_len - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks)
+        assert coord.allocate(req, prompt_len - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks,
+                              num_draft_tokens=0)
         req.num_computed_tokens = prompt_len
         coord.retire(req.request_id, prompt_len)
         req.append_output_token_ids(int(rng.integers(VOCAB)))
@@ -161,7 +162,7 @@ def decode_steps(coord: KVCacheCoordinator, reqs: list[Request], steps: int = 20
         coord.new_step()
         t0 = perf()
         for req in reqs:
-            allocate(req, 1)
+            allocate(req, 1, num_draft_tokens=0)
         t1 = perf()
         for req in reqs:
             req.num_computed_tokens += 1
