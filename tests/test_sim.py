@@ -101,6 +101,26 @@ def test_prefill_chunk_alignment():
     assert sched.prefill_chunk(96, 100, 40) == 4
 
 
+@pytest.mark.parametrize(("specs", "budget", "prompt", "hit"), [
+    # full attention 12 + Mamba 16: alignment lcm = 48; budget 64, a 70-token prompt: the first
+    # chunk ends at min(64, 69 // 48 * 48 = 48) // 48 * 48 = 48 (a state at 48, a multiple of 12
+    # and 16), the second at 70; the repeat (cap 69) hits 48. Chunks on the Mamba block (64, 70)
+    # left no state a hit could use: 0.
+    ((FullAttentionSpec(12, 1, 8, "float16"), mamba_spec(16)), 64, 70, 48),
+    # Mamba 16 + Mamba 24: lcm 48; an 80-token prompt: stop 79 // 48 * 48 = 48, chunks 48 + 32;
+    # the repeat hits 48 (on the larger block, 24, chunks ended at 72 and 80: no hit at 48).
+    ((mamba_spec(16), mamba_spec(24)), 64, 80, 48),
+])
+def test_chunks_end_on_the_coordinators_alignment(specs, budget, prompt, hit):
+    groups = [KVCacheGroupSpec([f"g{i}"], s) for i, s in enumerate(specs)]
+    coord = KVCacheCoordinator(KVCacheConfig(64, groups), max_model_len=1 << 12,
+                               hash_block_size=4 if isinstance(specs[0], FullAttentionSpec) else 8)
+    sched = Scheduler(coord, max_num_batched_tokens=budget, check_invariants=True)
+    m = sched.run([spec("a", prompt), spec("b", prompt)], one_at_a_time=True)
+    assert m.cached_tokens == hit and m.finished == 2
+    assert_all_returned(coord)
+
+
 # --------------------------------------------------------------------------- the real trace
 def ideal_hit_tokens(rows: list[dict], block: int) -> int:
     """Unbounded cache: each request hits its longest run of leading hash ids whose 512-token
