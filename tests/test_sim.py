@@ -107,9 +107,10 @@ def test_prefill_chunk_alignment():
     # and 16), the second at 70; the repeat (cap 69) hits 48. Chunks on the Mamba block (64, 70)
     # left no state a hit could use: 0.
     ((FullAttentionSpec(12, 1, 8, "float16"), mamba_spec(16)), 64, 70, 48),
-    # Mamba 16 + Mamba 24: lcm 48; an 80-token prompt: stop 79 // 48 * 48 = 48, chunks 48 + 32;
-    # the repeat hits 48 (on the larger block, 24, chunks ended at 72 and 80: no hit at 48).
-    ((mamba_spec(16), mamba_spec(24)), 64, 80, 48),
+    # Mamba 16 + Mamba 24: lcm 48; budget 80, an 80-token prompt: stop 79 // 48 * 48 = 48, chunks
+    # 48 + 32; the repeat hits 48. On the larger block (24) the chunks ended at 72 (not a
+    # multiple of 16: no state in the 16-group) and 80 (beyond the cap 79): no hit at all.
+    ((mamba_spec(16), mamba_spec(24)), 80, 80, 48),
 ])
 def test_chunks_end_on_the_coordinators_alignment(specs, budget, prompt, hit):
     groups = [KVCacheGroupSpec([f"g{i}"], s) for i, s in enumerate(specs)]
