@@ -118,6 +118,8 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries):
         #: the managers that run a policy (groups with one Mamba spec share the first one's)
         self.policies: tuple[SingleTypeKVCacheManager, ...] = share_identical_policies(self.managers)
         self._columns = tuple(m.column_ids for m in self.policies)
+        #: per policy, its columns' (empty) hit lists when a step has no hits
+        self._policy_no_hits = tuple(((),) * len(cols) for cols in self._columns)
         self._mamba_policies = tuple(m for m in self.policies if isinstance(m, MambaManager))
         self._attention = tuple(m for m in self.policies if m.publishes_at_allocation)
         #: most draft tokens one step may verify without a group refusing it (each eager Mamba
@@ -224,11 +226,15 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries):
         for lazy in self.lazy_managers:
             if not lazy.check_lazy_step(rid, num_tokens, num_computed, num_drafts):
                 return None
+        if hits is self._no_hits:
+            policy_hits: Sequence[Sequence[Sequence[KVCacheBlock]]] = self._policy_no_hits
+        else:
+            policy_hits = [[hits[g] for g in cols] for cols in columns]
         # count
         if live is None or num_tokens + num_lookahead_tokens > live.num_covered or self.lazy_managers:
             need = 0
-            for p, cols in zip(policies, columns):
-                need += p.count_columns(rid, num_tokens, [hits[g] for g in cols], num_computed, num_lookahead_tokens)
+            for p, ph in zip(policies, policy_hits):
+                need += p.count_columns(rid, num_tokens, ph, num_computed, num_lookahead_tokens)
             if need > self.block_pool.free_block_queue.num_free_blocks:
                 return None
         # commit
@@ -241,12 +247,13 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries):
             # Pin every group's hits before any group takes a new block: new blocks come off the
             # queue head, which may be another group's hit still in the queue (it would be
             # evicted and end up in two tables).
-            for p, cols in zip(policies, columns):
-                p.add_hits(rid, [hits[g] for g in cols])
+            for p, ph in zip(policies, policy_hits):
+                p.add_hits(rid, ph)
         new_blocks: list[list[KVCacheBlock]] = [[] for _ in self.managers]
         any_new = False
+        lazy_any = bool(self.lazy_managers)
         for p, cols in zip(policies, columns):
-            if isinstance(p, LazyMambaManager):
+            if lazy_any and isinstance(p, LazyMambaManager):
                 per_column = [p.allocate_new_blocks(rid, num_tokens, num_lookahead_tokens, num_draft_tokens=num_drafts,
                                                     num_computed_tokens=num_computed, defer_spare=True)]
             else:

@@ -69,7 +69,7 @@ class CoordinatorResults:
             if nxt < quiet:
                 quiet = nxt
         live.retire_quiet = quiet
-        live.refresh(policies)
+        live.num_covered = live.quiet_tokens = 0  # the next allocate recounts (lazily, once)
 
     def _retire_lazy(self, request: Request, num_processed_tokens: int) -> None:
         """``retire`` with ALIGN_LAZY groups: each group's own publish and retire calls."""
