@@ -29,7 +29,6 @@ The byte-row views and dtype/device helpers are in :mod:`mambakv.device.views`.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from numbers import Integral
 from typing import Any
@@ -38,6 +37,7 @@ import torch
 
 from mambakv.core.errors import InvalidCopyPlanError, InvalidSpecError
 from mambakv.core.spec import MambaSpec
+from mambakv.device.backend import CopyBackend, resolve_backend
 from mambakv.device.export import export_block_table, export_block_tables
 from mambakv.device.views import carve_state_views as carve_state_views  # re-exported (explicit)
 from mambakv.device.views import checked_device as checked_device
@@ -45,25 +45,10 @@ from mambakv.device.views import default_device as default_device
 from mambakv.device.views import torch_dtype
 from mambakv.device.views import wide_rows as _wide_rows
 
-# export_block_table(s) and the view helpers live in mambakv.device.export / .views; they stay
+# CopyBackend, export_block_table(s) and the view helpers live in mambakv.device.backend /
+# .export / .views; they stay
 # importable from here for code written before the split (``__all__`` is unchanged).
 __all__ = ["CopyBackend", "MambaStatePool", "export_block_table", "export_block_tables", "torch_dtype"]
-
-
-class CopyBackend(str, enum.Enum):
-    """How :class:`MambaStatePool` runs ``copy_`` and ``zero_``.
-
-    * ``TORCH``: per layer, ``index_select`` into a scratch buffer then ``index_copy_`` (or
-      ``index_fill_``); always available.
-    * ``TRITON``: one fused Triton launch for all pairs and layers (:mod:`mambakv.device.fused_copy`);
-      CUDA, or CPU under Triton's interpreter.
-    * ``AUTO``: ``TRITON`` when triton is installed, the pool is on CUDA and its rows can be
-      fused (dense byte rows: always for pools mambakv allocates), else ``TORCH``.
-    """
-
-    TORCH = "torch"
-    TRITON = "triton"
-    AUTO = "auto"
 
 
 class MambaStatePool:
@@ -128,25 +113,10 @@ class MambaStatePool:
         return pool
 
     def _init_backend(self, copy_backend: CopyBackend | str) -> None:
-        """Resolve ``copy_backend`` and, for TRITON, build the fused copier's address table over
-        the per-layer byte rows (or, without them, over every state tensor)."""
-        from mambakv.device import fused_copy
-
-        try:
-            backend = CopyBackend(copy_backend)
-        except ValueError:
-            raise InvalidSpecError(f"copy_backend must be one of "
-                                   f"{[b.value for b in CopyBackend]}, got {copy_backend!r}") from None
+        """Resolve ``copy_backend`` (:func:`~mambakv.device.backend.resolve_backend`) over the
+        per-layer byte rows (or, without them, over every state tensor)."""
         targets = self._rows if self._rows is not None else [t for s in self._states for t in s]
-        self._fused, self._backend = None, CopyBackend.TORCH
-        if backend is CopyBackend.TRITON:
-            self._fused, self._backend = fused_copy.FusedRowCopy(targets), backend
-        elif (backend is CopyBackend.AUTO and self.device.type == "cuda"
-              and fused_copy.triton_available()):
-            try:  # views whose rows are not dense byte runs stay on torch
-                self._fused, self._backend = fused_copy.FusedRowCopy(targets), CopyBackend.TRITON
-            except InvalidSpecError:
-                pass
+        self._backend, self._fused = resolve_backend(copy_backend, self.device, targets)
 
     @property
     def copy_backend(self) -> CopyBackend:
