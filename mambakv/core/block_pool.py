@@ -19,12 +19,12 @@ when several blocks of a group carry one hash) and the KV events it records live
 from __future__ import annotations
 
 import itertools
-import operator
 from collections.abc import Iterable, Sequence
 
 from mambakv.core.block import FreeBlockQueue, KVCacheBlock
 from mambakv.core.errors import DoubleFreeError, InvalidBlockError, InvalidTokenCountError, OutOfBlocksError
 from mambakv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from mambakv.core.pool_checks import check_pool, checked_block_ids, first_duplicate_id, undo_free
 from mambakv.core.prefix_map import PrefixMap
 
 __all__ = ["AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "KVCacheEvent"]
@@ -169,9 +169,7 @@ class BlockPool:
             # Blocks hash by identity: two C-level passes, no Python loop.
             nulls = blocks.count(self.null_block)
             if len(set(blocks)) != len(blocks) - (nulls - 1 if nulls else 0):
-                ids = [b.block_id for b in blocks if not b.is_null]
-                dup = next(i for i in ids if ids.count(i) > 1)
-                raise InvalidBlockError(f"block {dup} listed more than once in one touch call")
+                raise InvalidBlockError(f"block {first_duplicate_id(blocks)} listed more than once in one touch call")
         remove = self.free_block_queue.remove
         for block in blocks:
             if block.ref_cnt == 0:  # the null block's ref count stays 0: this branch skips it
@@ -196,7 +194,8 @@ class BlockPool:
         if self.null_block in blocks:  # a C-level identity scan; filter only when needed
             blocks = [b for b in blocks if not b.is_null]
         if len(blocks) > 1 and len(set(blocks)) != len(blocks):  # identity hashing: one C pass
-            self._raise_duplicate(blocks)
+            raise DoubleFreeError(f"block {first_duplicate_id(blocks)} listed more than once in one "
+                                  f"free_blocks call")
         unhashed: list[KVCacheBlock] = []
         hashed: list[KVCacheBlock] = []
         to_head, to_tail = unhashed.append, hashed.append
@@ -204,7 +203,7 @@ class BlockPool:
         for block in blocks:
             ref_cnt = block.ref_cnt - 1
             if ref_cnt < 0 or block.pool_id != pid:
-                self._undo_free(blocks, block)
+                undo_free(blocks, block, pid)
             block.ref_cnt = ref_cnt
             if ref_cnt == 0:
                 if block.block_hash is None:
@@ -217,21 +216,6 @@ class BlockPool:
             self.free_block_queue.prepend_n(unhashed, checked=False)
         if hashed:
             self.free_block_queue.append_n(hashed, checked=False)
-
-    @staticmethod
-    def _raise_duplicate(blocks: list[KVCacheBlock]) -> None:
-        ids = [b.block_id for b in blocks]
-        dup = next(i for i in ids if ids.count(i) > 1)
-        raise DoubleFreeError(f"block {dup} listed more than once in one free_blocks call")
-
-    def _undo_free(self, blocks: list[KVCacheBlock], bad: KVCacheBlock) -> None:
-        """`bad` is at ref count 0 or another pool's: restore the blocks already decremented,
-        then raise."""
-        for block in blocks[: blocks.index(bad)]:
-            block.ref_cnt += 1
-        if bad.pool_id != self.pool_id:
-            raise InvalidBlockError(f"block {bad.block_id} belongs to another pool")
-        raise DoubleFreeError(f"block {bad.block_id} freed at ref count {bad.ref_cnt}")
 
     # ------------------------------------------------------------------ prefix cache
     def cache_full_blocks(
@@ -279,16 +263,7 @@ class BlockPool:
             InvalidBlockError: an id outside ``0 .. num_blocks - 1`` (a negative id would
                 otherwise index from the end); nothing changes.
         """
-        n = self.num_blocks
-        ids = []
-        for block_id in block_ids:
-            try:
-                i = operator.index(block_id)  # ints and numpy integers; not floats
-            except TypeError:
-                raise InvalidBlockError(f"block id {block_id!r} is not an integer") from None
-            if not 0 <= i < n:
-                raise InvalidBlockError(f"block id {block_id!r} outside 0..{n - 1}")
-            ids.append(i)
+        ids = checked_block_ids(block_ids, self.num_blocks)
         queue = self.free_block_queue
         for block_id in ids:
             block = self.blocks[block_id]
@@ -322,26 +297,4 @@ class BlockPool:
         block is queued iff its ref count is 0; the queue holds every unhashed free block
         before every cached one; the map holds exactly the hashed blocks, each under its own
         hash and group."""
-        q = self.free_block_queue
-        q.check_invariants()
-        null = self.null_block
-        assert null.block_id == 0 and null.is_null and null.block_hash is None
-        assert null.prev_free_block is None and null.next_free_block is None, "null block queued"
-        assert null.ref_cnt == 0, f"null block ref count {null.ref_cnt}"
-        queued = {b.block_id for b in q.get_all_free_blocks()}
-        assert 0 not in queued
-        seen_hashed: KVCacheBlock | None = None  # unhashed free blocks first (get_new_unhashed_block relies on it)
-        for b in q.get_all_free_blocks():
-            if b.block_hash is not None:
-                seen_hashed = seen_hashed or b
-            else:
-                assert seen_hashed is None, (f"free queue: unhashed block {b.block_id} behind cached block "
-                                             f"{seen_hashed.block_id}")
-        hashed = 0
-        for b in self.blocks[1:]:
-            assert not b.is_null
-            assert b.ref_cnt >= 0
-            assert (b.block_id in queued) == (b.ref_cnt == 0), f"block {b.block_id} ref {b.ref_cnt} vs queue"
-            if b.block_hash is not None:
-                hashed += 1
-        self.prefix_map.check_invariants(hashed)
+        check_pool(self)  # mambakv.core.pool_checks
