@@ -70,3 +70,24 @@ def stored_event_fields(request: Any, keys: Sequence[bytes], start: int, stop: i
         "lora_id": request.lora_id,
         "lora_name": request.lora_name,
     }
+
+
+def stored_events(new: Sequence[int], block_hashes: Sequence[bytes], group_id: int,
+                  parent_block_hash: bytes | None, token_ids: Sequence[int] | None, block_size: int,
+                  lora_id: int | None, lora_name: str | None) -> list[BlockStored]:
+    """One BlockStored per run of consecutive indices in `new` (sorted indices into
+    `block_hashes` of the blocks whose hash is new to the group; ``BlockPool.cache_full_blocks``
+    shows an example). A run's parent is the hash just before it (`parent_block_hash` for a run
+    at index 0) and its token ids are its slice of the flat `token_ids` (none when None)."""
+    out = []
+    start = 0
+    for k in range(1, len(new) + 1):
+        if k < len(new) and new[k] == new[k - 1] + 1:
+            continue
+        lo, hi = new[start], new[k - 1] + 1
+        parent = block_hashes[lo - 1] if lo else parent_block_hash
+        ids = list(token_ids[lo * block_size : hi * block_size]) if token_ids is not None else []
+        out.append(BlockStored(list(block_hashes[lo:hi]), parent, ids, block_size, lora_id,
+                               group_id=group_id, lora_name=lora_name))
+        start = k
+    return out

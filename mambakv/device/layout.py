@@ -29,13 +29,8 @@ import torch
 
 from mambakv.core.errors import InvalidSpecError
 from mambakv.core.spec import DTYPE_SIZES, AttentionSpec, KVCacheConfig, MambaSpec
-from mambakv.device.state_pool import (
-    CopyBackend,
-    MambaStatePool,
-    carve_state_views,
-    default_device,
-    torch_dtype,
-)
+from mambakv.device.state_pool import CopyBackend, MambaStatePool
+from mambakv.device.views import carve_state_views, default_device, torch_dtype
 
 __all__ = ["HybridLayout", "check_uniform_page_size"]
 

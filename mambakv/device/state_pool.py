@@ -23,13 +23,12 @@ picks ``triton`` when it is installed and the pool is on CUDA, else ``torch``.  
 are checked once, on the host, before either backend writes anything.
 
 Row 0 is the null block: it is never written (``copy_`` refuses it as a destination, ``zero_``
-refuses it) and exported to kernels as ``-1`` (:func:`export_block_table`).
+refuses it) and exported to kernels as ``-1`` (:func:`~mambakv.device.export.export_block_table`).
+The byte-row views and dtype/device helpers are in :mod:`mambakv.device.views`.
 """
 
 from __future__ import annotations
 
-import enum
-import math
 from collections.abc import Sequence
 from numbers import Integral
 from typing import Any
@@ -37,121 +36,19 @@ from typing import Any
 import torch
 
 from mambakv.core.errors import InvalidCopyPlanError, InvalidSpecError
-from mambakv.core.spec import DTYPE_SIZES, MambaSpec
+from mambakv.core.spec import MambaSpec
+from mambakv.device.backend import CopyBackend, resolve_backend
+from mambakv.device.export import export_block_table, export_block_tables
+from mambakv.device.views import carve_state_views as carve_state_views  # re-exported (explicit)
+from mambakv.device.views import checked_device as checked_device
+from mambakv.device.views import default_device as default_device
+from mambakv.device.views import torch_dtype
+from mambakv.device.views import wide_rows as _wide_rows
 
+# CopyBackend, export_block_table(s) and the view helpers live in mambakv.device.backend /
+# .export / .views; they stay
+# importable from here for code written before the split (``__all__`` is unchanged).
 __all__ = ["CopyBackend", "MambaStatePool", "export_block_table", "export_block_tables", "torch_dtype"]
-
-
-class CopyBackend(str, enum.Enum):
-    """How :class:`MambaStatePool` runs ``copy_`` and ``zero_``.
-
-    * ``TORCH``: per layer, ``index_select`` into a scratch buffer then ``index_copy_`` (or
-      ``index_fill_``); always available.
-    * ``TRITON``: one fused Triton launch for all pairs and layers (:mod:`mambakv.device.fused_copy`);
-      CUDA, or CPU under Triton's interpreter.
-    * ``AUTO``: ``TRITON`` when triton is installed, the pool is on CUDA and its rows can be
-      fused (dense byte rows: always for pools mambakv allocates), else ``TORCH``.
-    """
-
-    TORCH = "torch"
-    TRITON = "triton"
-    AUTO = "auto"
-
-
-def torch_dtype(dtype: Any) -> torch.dtype:
-    """The ``torch.dtype`` of a spec dtype name (``"bfloat16"`` -> ``torch.bfloat16``)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPE_SIZES:
-        raise InvalidSpecError(f"unknown dtype {dtype!r}; known: {sorted(DTYPE_SIZES)}")
-    found: torch.dtype = getattr(torch, dtype)  # every DTYPE_SIZES name is a torch dtype
-    return found
-
-
-def checked_device(device: Any) -> torch.device:
-    """``torch.device(device)``, refusing one this torch build cannot allocate on.
-
-    Raises:
-        InvalidSpecError: not a device name, or CUDA on a build / machine without it."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise InvalidSpecError(f"bad device {device!r}: {e}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidSpecError(f"device {device!r}: this torch build has no CUDA device available")
-    return dev
-
-
-def default_device() -> torch.device:
-    """CUDA when present, CPU otherwise."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def export_block_table(block_ids: Sequence[int], *, device: Any = None,
-                       dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    """A block table as a 1-D tensor for kernels: the null block (0) becomes ``-1``.
-
-    ``[0, 0, 7, 9]`` -> ``tensor([-1, -1, 7, 9])``.  ``device`` defaults to CPU.
-    """
-    t = torch.tensor(list(block_ids), dtype=torch.int64)
-    t = torch.where(t == 0, torch.full_like(t, -1), t)
-    return t.to(device=device or "cpu", dtype=dtype)
-
-
-def export_block_tables(tables: Sequence[Sequence[int]], *, width: int | None = None,
-                        device: Any = None, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    """Several block tables as a ``[len(tables), width]`` tensor, null and padding = ``-1``.
-
-    ``width`` defaults to the longest table; a longer table raises ``ValueError``.
-    """
-    width = max((len(t) for t in tables), default=0) if width is None else width
-    out = torch.full((len(tables), width), -1, dtype=torch.int64)
-    for r, table in enumerate(tables):  # one row per request, not per pair
-        if len(table) > width:
-            raise ValueError(f"table {r} has {len(table)} entries > width {width}")
-        if table:
-            out[r, : len(table)] = torch.tensor(list(table), dtype=torch.int64)
-    out = torch.where(out == 0, torch.full_like(out, -1), out)
-    return out.to(device=device or "cpu", dtype=dtype)
-
-
-def carve_state_views(rows: torch.Tensor, spec: MambaSpec) -> tuple[torch.Tensor, ...]:
-    """Dtype views of one layer's states over its byte rows ``rows`` (uint8 ``[N, >= page]``).
-
-    State i starts at byte ``sum(bytes of states < i)`` of every row.  Raises
-    :class:`InvalidSpecError` when a state's offset or the row stride is not a multiple of its
-    element size (the bytes could not be reinterpreted in place).
-    """
-    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.stride(1) != 1:
-        raise InvalidSpecError("raw rows must be a uint8 [num_blocks, bytes] tensor, rows dense")
-    if rows.shape[1] < spec.raw_page_size_bytes:
-        raise InvalidSpecError(f"row of {rows.shape[1]} B < state page {spec.raw_page_size_bytes} B")
-    views, offset = [], 0
-    for shape, name in zip(spec.shapes, spec.dtypes):
-        size = DTYPE_SIZES[name]
-        nbytes = math.prod(shape) * size
-        if offset % size or rows.stride(0) % size or rows.storage_offset() % size:
-            raise InvalidSpecError(f"state of dtype {name} at byte {offset} is misaligned")
-        flat = rows[:, offset : offset + nbytes].view(torch_dtype(name))
-        views.append(flat.view(rows.shape[0], *shape))
-        offset += nbytes
-    return tuple(views)
-
-
-def _wide_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as ``[rows, k]`` of the widest integer type its row layout allows (int64 when row
-    bytes, row stride and offset are multiples of 8), else ``t`` itself.  Gather/scatter cost
-    per element, so a copy of 8-byte elements runs several times faster than one of bytes."""
-    try:
-        flat = t.view(t.shape[0], -1).view(torch.uint8)
-    except RuntimeError:
-        return t
-    for wide in (torch.int64, torch.int32, torch.int16):
-        try:
-            return flat.view(wide)
-        except RuntimeError:
-            continue
-    return flat
 
 
 class MambaStatePool:
@@ -216,25 +113,10 @@ class MambaStatePool:
         return pool
 
     def _init_backend(self, copy_backend: CopyBackend | str) -> None:
-        """Resolve ``copy_backend`` and, for TRITON, build the fused copier's address table over
-        the per-layer byte rows (or, without them, over every state tensor)."""
-        from mambakv.device import fused_copy
-
-        try:
-            backend = CopyBackend(copy_backend)
-        except ValueError:
-            raise InvalidSpecError(f"copy_backend must be one of "
-                                   f"{[b.value for b in CopyBackend]}, got {copy_backend!r}") from None
+        """Resolve ``copy_backend`` (:func:`~mambakv.device.backend.resolve_backend`) over the
+        per-layer byte rows (or, without them, over every state tensor)."""
         targets = self._rows if self._rows is not None else [t for s in self._states for t in s]
-        self._fused, self._backend = None, CopyBackend.TORCH
-        if backend is CopyBackend.TRITON:
-            self._fused, self._backend = fused_copy.FusedRowCopy(targets), backend
-        elif (backend is CopyBackend.AUTO and self.device.type == "cuda"
-              and fused_copy.triton_available()):
-            try:  # views whose rows are not dense byte runs stay on torch
-                self._fused, self._backend = fused_copy.FusedRowCopy(targets), CopyBackend.TRITON
-            except InvalidSpecError:
-                pass
+        self._backend, self._fused = resolve_backend(copy_backend, self.device, targets)
 
     @property
     def copy_backend(self) -> CopyBackend:

@@ -12,17 +12,9 @@ One step::
         accept_drafts(rid, a) (+ run its copies), append a + 1 tokens, retire(rid, processed)
         finished: free(rid)
 
-Chunked prefill (Mamba block size B, the request's N known tokens, c computed)::
-
-    stop  T = (N - 1) // B * B      (vLLM 0.33 too; older vLLM: N - N % B)  -- one chunk ends
-                                    at T, so that a repeat of the prompt (hit capped at N - 1)
-                                    finds a state there
-    c < T:  chunk = largest multiple-of-B end <= min(c + budget, T), minus c;
-            if that is 0, the unaligned remainder min(budget, N - c) (it publishes no state)
-    c >= T: min(budget, N - c)
-    junction J = ``coord.get_shared_prefix_length`` at admission: a chunk with c < J < c + chunk
-            ends at J instead, so that the state at the end of a prefix shared with an earlier
-            request is published and the next request sharing it hits (vLLM 0.33 does too)
+Chunked prefill: a chunk ends on a multiple of the Mamba block size, at the last boundary
+before the prompt's end and at the junction with an earlier request's prefix (the policy and its
+table: :mod:`mambakv.sim.chunking`). Admission of waiting requests: :mod:`mambakv.sim.admission`.
 
 Decode: a request whose last step samples a token waits for that result (no placeholders);
 with K speculative tokens a decode step schedules ``1 + K`` tokens, ``K`` of them drafts
@@ -40,10 +32,9 @@ from typing import TYPE_CHECKING
 
 from mambakv.coordinator import KVCacheCoordinator
 from mambakv.core.errors import MambaKVError
-from mambakv.core.request import Request
 from mambakv.core.spec import MambaCacheMode, MambaSpec
-from mambakv.groups import MambaManager
-from mambakv.plans import KVCacheBlocks
+from mambakv.sim.admission import Admission
+from mambakv.sim.chunking import prefill_chunk
 from mambakv.sim.metrics import SimMetrics
 from mambakv.sim.results import BudgetTooSmallError, ResultProcessor, ScheduledEntry, SimRequest
 from mambakv.sim.workloads import RequestSpec
@@ -56,7 +47,7 @@ __all__ = ["BudgetTooSmallError", "SimRequest", "Scheduler"]
 _now = time.perf_counter
 
 
-class Scheduler(ResultProcessor):
+class Scheduler(ResultProcessor, Admission):
     """Drives `coord` through a workload.
 
     Args:
@@ -122,41 +113,12 @@ class Scheduler(ResultProcessor):
     # ------------------------------------------------------------------ token choice
     def prefill_chunk(self, computed: int, num_tokens: int, budget: int, junction: int = 0) -> int:
         """Tokens to schedule for a request with `computed` of `num_tokens` known tokens;
-        a chunk that would run past `junction` (a multiple of the alignment) ends there."""
-        B = self.align
-        if not B:
-            return min(budget, num_tokens - computed)
-        stop = (num_tokens - 1) // B * B if self.stop_before_last_token else num_tokens - num_tokens % B
-        n = min(budget, num_tokens - computed)
-        if computed < stop:
-            end = min(computed + budget, stop) // B * B
-            if end > computed:
-                n = end - computed
-        if computed < junction < computed + n:
-            return junction - computed
-        return n
+        a chunk that would run past `junction` (a multiple of the alignment) ends there
+        (:func:`mambakv.sim.chunking.prefill_chunk`, with this scheduler's alignment and stop rule)."""
+        return prefill_chunk(computed, num_tokens, budget, align=self.align,
+                             stop_before_last_token=self.stop_before_last_token, junction=junction)
 
     # ------------------------------------------------------------------ one step
-    def _timed_allocate(self, req: Request, n: int, *, num_draft_tokens: int, num_new_computed_tokens: int = 0,
-                        new_computed_blocks: KVCacheBlocks | None = None) -> KVCacheBlocks | None:
-        t = _now()
-        new = self.coord.allocate(req, n, num_new_computed_tokens=num_new_computed_tokens,
-                                  new_computed_blocks=new_computed_blocks, num_draft_tokens=num_draft_tokens)
-        self.metrics.library_s += _now() - t
-        self.metrics.library_calls += 1
-        return new
-
-    def _after_allocate(self, sreq: SimRequest, new: KVCacheBlocks) -> bool:
-        """Per-request Mamba peaks; True when any block was added."""
-        grew = False
-        for gid, blocks in enumerate(new.blocks):
-            if blocks:
-                grew = True
-                m = self.coord.managers[gid]
-                if isinstance(m, MambaManager):
-                    self.metrics.observe_mamba(m, sreq.request.request_id)
-        return grew
-
     def preempt(self, sreq: SimRequest) -> None:
         """Free, re-queue at the front, recompute from scratch (in-flight results dropped)."""
         t = _now()
@@ -246,66 +208,6 @@ class Scheduler(ResultProcessor):
             self._process(self.in_flight.popleft())
         return tokens
 
-    def _admit(self, budget: int, batch: list[ScheduledEntry]) -> tuple[int, bool]:
-        coord, mt = self.coord, self.metrics
-        grew = False
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            sreq = self.waiting[0]
-            req = sreq.request
-            if req.hash_block_size is None:  # hash the prompt once, outside the library's time
-                t = _now()
-                req.set_hash_block_size(coord.hash_block_size)
-                req.block_hashes  # noqa: B018 - computes and keeps the hashes
-                mt.hash_s += _now() - t
-            t = _now()
-            hits, hit = coord.get_computed_blocks(req)
-            mt.library_s += _now() - t
-            mt.library_calls += 1
-            if self.reserve_full_prompt and self.running and not self._fits(req, hits, hit):
-                break
-            junction = 0
-            if self.align:
-                t = _now()
-                junction = coord.get_shared_prefix_length(req)
-                mt.library_s += _now() - t
-                mt.library_calls += 1
-            n = self.prefill_chunk(hit, req.num_tokens, budget, junction)
-            new = self._timed_allocate(req, n, num_new_computed_tokens=hit, new_computed_blocks=hits,
-                                       num_draft_tokens=0)
-            if new is None:
-                if not self.running:
-                    raise BudgetTooSmallError(
-                        f"budget too small for one request: {req.request_id!r} ({req.num_tokens} tokens) "
-                        f"does not fit in {coord.block_pool.num_blocks - 1} blocks")
-                break
-            self.waiting.popleft()
-            self.running.append(sreq)
-            sreq.is_running = True
-            if not sreq.admitted:
-                sreq.admitted = True
-                mt.prompt_tokens += req.num_prompt_tokens
-                mt.cached_tokens += hit
-                mt.state_missing_tokens += max(0, junction - hit)  # attention hit without a state (causes.py)
-                sreq.hit = hit
-            req.num_computed_tokens = hit
-            sreq.processed = hit
-            sreq.junction = junction
-            grew |= self._after_allocate(sreq, new) or hit > 0
-            batch.append(self._schedule(sreq, n, 0))
-            budget -= n
-        return budget, grew
-
-    def _fits(self, req: Request, hits: KVCacheBlocks, hit: int) -> bool:
-        """The pool can hold all of `req`'s known tokens (``num_blocks_needed``, the count
-        ``allocate`` makes)."""
-        t = _now()
-        coord = self.coord
-        need = coord.num_blocks_needed(req, req.num_tokens - hit, num_new_computed_tokens=hit, new_computed_blocks=hits)
-        ok = need <= coord.block_pool.get_num_free_blocks()
-        self.metrics.library_s += _now() - t
-        self.metrics.library_calls += 1
-        return ok
-
     def _may_schedule_ahead(self, sreq: SimRequest) -> bool:
         """Async scheduling without drafts (``lag > 0``, ``K == 0``): a decoding request whose
         sampled tokens are not back yet schedules its next token on a placeholder, as engines
@@ -319,14 +221,6 @@ class Scheduler(ResultProcessor):
         return (req.num_output_tokens > 0 and 0 < outstanding <= self.lag
                 and sreq.num_outputs + outstanding < sreq.spec.output_len
                 and req.num_computed_tokens < self.coord.max_model_len)
-
-    def _schedule(self, sreq: SimRequest, n: int, drafts: int) -> ScheduledEntry:
-        req = sreq.request
-        req.num_computed_tokens += n
-        samples = req.num_computed_tokens - drafts >= req.num_tokens
-        if samples:
-            sreq.awaiting_output = True
-        return (sreq, sreq.generation, n, drafts, samples)
 
     # ------------------------------------------------------------------ runs
     def idle(self) -> bool:

@@ -1,0 +1,142 @@
+"""Admission of waiting requests, and the allocation helpers a scheduler step shares (``Scheduler``'s base).
+
+The waiting queue is FCFS; a request is admitted while the step has budget left and fewer than
+``max_num_seqs`` run::
+
+    hash the prompt once (timed apart: SimMetrics.hash_s)
+    hits, hit = get_computed_blocks(request)
+    reserve_full_prompt and others run and the whole prompt does not fit  -> stop admitting
+    junction = get_shared_prefix_length(request)          (aligned Mamba groups only)
+    n = prefill_chunk(hit, N, budget, junction)
+    allocate(request, n, num_new_computed_tokens=hit, new_computed_blocks=hits)
+        None: stop admitting (nothing runs: BudgetTooSmallError)
+    first admission: count prompt, hit and state-missing tokens (max(0, J - hit))
+
+A preempted request comes back at the head of the queue and is admitted again the same way; its
+prefix-cache statistics are counted only at its first admission.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from mambakv.core.request import Request
+from mambakv.groups import MambaManager
+from mambakv.plans import KVCacheBlocks
+from mambakv.sim.results import BudgetTooSmallError, ScheduledEntry, SimRequest
+
+if TYPE_CHECKING:
+    from mambakv.coordinator import KVCacheCoordinator
+    from mambakv.sim.metrics import SimMetrics
+
+__all__ = ["Admission"]
+
+_now = time.perf_counter
+
+
+class Admission:
+    """Admission and the timed ``allocate``; needs the attributes declared below and
+    ``prefill_chunk`` (set and defined by :class:`~mambakv.sim.scheduler.Scheduler`)."""
+
+    coord: KVCacheCoordinator
+    metrics: SimMetrics
+    waiting: deque[SimRequest]
+    running: list[SimRequest]
+    max_num_seqs: int
+    reserve_full_prompt: bool
+    align: int
+    prefill_chunk: Callable[[int, int, int, int], int]  # Scheduler.prefill_chunk
+
+    def _timed_allocate(self, req: Request, n: int, *, num_draft_tokens: int, num_new_computed_tokens: int = 0,
+                        new_computed_blocks: KVCacheBlocks | None = None) -> KVCacheBlocks | None:
+        t = _now()
+        new = self.coord.allocate(req, n, num_new_computed_tokens=num_new_computed_tokens,
+                                  new_computed_blocks=new_computed_blocks, num_draft_tokens=num_draft_tokens)
+        self.metrics.library_s += _now() - t
+        self.metrics.library_calls += 1
+        return new
+
+    def _after_allocate(self, sreq: SimRequest, new: KVCacheBlocks) -> bool:
+        """Per-request Mamba peaks; True when any block was added."""
+        grew = False
+        for gid, blocks in enumerate(new.blocks):
+            if blocks:
+                grew = True
+                m = self.coord.managers[gid]
+                if isinstance(m, MambaManager):
+                    self.metrics.observe_mamba(m, sreq.request.request_id)
+        return grew
+
+    def _admit(self, budget: int, batch: list[ScheduledEntry]) -> tuple[int, bool]:
+        """Admit waiting requests FCFS into `batch` while `budget` tokens, seats and blocks
+        last (the steps of the module docstring); returns the budget left and whether any
+        group's usage grew."""
+        coord, mt = self.coord, self.metrics
+        grew = False
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            sreq = self.waiting[0]
+            req = sreq.request
+            if req.hash_block_size is None:  # hash the prompt once, outside the library's time
+                t = _now()
+                req.set_hash_block_size(coord.hash_block_size)
+                req.block_hashes  # noqa: B018 - computes and keeps the hashes
+                mt.hash_s += _now() - t
+            t = _now()
+            hits, hit = coord.get_computed_blocks(req)
+            mt.library_s += _now() - t
+            mt.library_calls += 1
+            if self.reserve_full_prompt and self.running and not self._fits(req, hits, hit):
+                break
+            junction = 0
+            if self.align:
+                t = _now()
+                junction = coord.get_shared_prefix_length(req)
+                mt.library_s += _now() - t
+                mt.library_calls += 1
+            n = self.prefill_chunk(hit, req.num_tokens, budget, junction)
+            new = self._timed_allocate(req, n, num_new_computed_tokens=hit, new_computed_blocks=hits,
+                                       num_draft_tokens=0)
+            if new is None:
+                if not self.running:
+                    raise BudgetTooSmallError(
+                        f"budget too small for one request: {req.request_id!r} ({req.num_tokens} tokens) "
+                        f"does not fit in {coord.block_pool.num_blocks - 1} blocks")
+                break
+            self.waiting.popleft()
+            self.running.append(sreq)
+            sreq.is_running = True
+            if not sreq.admitted:
+                sreq.admitted = True
+                mt.prompt_tokens += req.num_prompt_tokens
+                mt.cached_tokens += hit
+                mt.state_missing_tokens += max(0, junction - hit)  # attention hit without a state (causes.py)
+                sreq.hit = hit
+            req.num_computed_tokens = hit
+            sreq.processed = hit
+            sreq.junction = junction
+            grew |= self._after_allocate(sreq, new) or hit > 0
+            batch.append(self._schedule(sreq, n, 0))
+            budget -= n
+        return budget, grew
+
+    def _fits(self, req: Request, hits: KVCacheBlocks, hit: int) -> bool:
+        """The pool can hold all of `req`'s known tokens (``num_blocks_needed``, the count
+        ``allocate`` makes)."""
+        t = _now()
+        coord = self.coord
+        need = coord.num_blocks_needed(req, req.num_tokens - hit, num_new_computed_tokens=hit, new_computed_blocks=hits)
+        ok = need <= coord.block_pool.get_num_free_blocks()
+        self.metrics.library_s += _now() - t
+        self.metrics.library_calls += 1
+        return ok
+
+    def _schedule(self, sreq: SimRequest, n: int, drafts: int) -> ScheduledEntry:
+        req = sreq.request
+        req.num_computed_tokens += n
+        samples = req.num_computed_tokens - drafts >= req.num_tokens
+        if samples:
+            sreq.awaiting_output = True
+        return (sreq, sreq.generation, n, drafts, samples)
