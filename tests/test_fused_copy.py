@@ -142,8 +142,7 @@ def test_odd_row_sizes_and_partial_tiles(row_bytes, tile_bytes):
 def test_rows_of_several_tiles():
     spec = MambaSpec(16, ((3, 1000), (5, 203)), ("bfloat16", "float32"))  # 6000 + 4060 B
     ref = MambaStatePool(spec, 2, 6, DEVICE)
-    fused = MambaStatePool(spec, 2, 6, DEVICE, copy_backend="triton")
-    fused._fused = FusedRowCopy(fused._rows, tile_bytes=1024)  # 10 tiles per row
+    fused = MambaStatePool(spec, 2, 6, DEVICE, copy_backend="triton", fused_tile_bytes=1024)  # 10 tiles per row
     fill_random(ref, 3)
     fill_random(fused, 3)
     run_both(ref, fused, [(1, 3), (2, 4)], zero=[5])
@@ -151,9 +150,9 @@ def test_rows_of_several_tiles():
 
 def test_element_width_follows_alignment():
     pool = MambaStatePool(SPEC, 2, 4, DEVICE, copy_backend="triton")
-    assert (pool._fused.elem_size, pool._fused.vec) == (8, 2)  # 176 B rows, 16-byte aligned
+    assert (pool.fused_copy.elem_size, pool.fused_copy.vec) == (8, 2)  # 176 B rows, 16-byte aligned
     odd = MambaStatePool(ODD_SPEC, 2, 4, DEVICE, copy_backend="triton")
-    assert odd._fused.elem_size == 2 and odd._fused.num_entries == 4  # one entry per state
+    assert odd.fused_copy.elem_size == 2 and odd.fused_copy.num_entries == 4  # one entry per state
     assert FusedRowCopy([torch.zeros(4, 7, dtype=torch.uint8, device=DEVICE)]).elem_size == 1
 
 
@@ -177,8 +176,10 @@ def test_plans_beyond_one_grid_launch_in_chunks(monkeypatch):
     from mambakv.device import fused_copy
 
     monkeypatch.setattr(fused_copy, "_MAX_GRID_X", 6)  # 2 tiles per row: 3 pairs per launch
-    ref, fused = pool_pair(SPEC, 2, 20, seed=4)
-    fused._fused = FusedRowCopy(fused._rows, tile_bytes=128)  # 176 B rows: 2 tiles
+    ref = MambaStatePool(SPEC, 2, 20, DEVICE, copy_backend="torch")
+    fused = MambaStatePool(SPEC, 2, 20, DEVICE, copy_backend="triton", fused_tile_bytes=128)  # 176 B rows: 2 tiles
+    fill_random(ref, 4)
+    fill_random(fused, 4)
     run_both(ref, fused, [(k, 10 + k) for k in range(1, 9)], zero=[19, 18, 17, 16])
 
 
@@ -259,7 +260,7 @@ def test_non_dense_views_are_refused_by_triton_and_kept_on_torch_by_auto():
     assert MambaStatePool(SPEC, 1, 6, views=views, copy_backend="auto").copy_backend is CopyBackend.TORCH
     dense = MambaStatePool(SPEC, 1, 6, views=[[base[:, :, :8].contiguous(), ssm]],
                            copy_backend="triton")
-    assert dense._fused.num_entries == 2
+    assert dense.fused_copy.num_entries == 2
 
 
 def test_copier_refuses_bad_tensors():
@@ -335,7 +336,7 @@ def test_kernel_compiles_for_the_gpu(spec, accesses, warps):
             return lambda *args, **kw: compiled.append(kernel.warmup(*args, grid=grid, **kw))
 
     pool = MambaStatePool(spec, 2, 6, "cpu", copy_backend="triton")
-    pool._fused._kernel = CompileOnly()
+    pool.fused_copy.kernel = CompileOnly()
     driver.set_active(_SimulatedGpu())
     try:
         pool.copy_([(1, 2), (3, 4)])
@@ -346,4 +347,4 @@ def test_kernel_compiles_for_the_gpu(spec, accesses, warps):
     for k in compiled:
         ops = set(re.findall(r"(?:ld|st)\.global[.\w]*", k.asm["ptx"])) - {"ld.global.b64"}
         assert ops <= accesses and "st" in "".join(ops), ops  # (the b64 loads are the table's)
-        assert k.metadata.num_warps == pool._fused._num_warps == warps  # short rows: fewer
+        assert k.metadata.num_warps == pool.fused_copy.num_warps == warps  # short rows: fewer

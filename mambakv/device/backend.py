@@ -42,7 +42,7 @@ class CopyBackend(str, enum.Enum):
 
 
 def resolve_backend(copy_backend: CopyBackend | str, device: torch.device,
-                    targets: Sequence[torch.Tensor]) -> tuple[CopyBackend, Any]:
+                    targets: Sequence[torch.Tensor], *, tile_bytes: int | None = None) -> tuple[CopyBackend, Any]:
     """``(backend, fused)``: the backend ``copy_backend`` resolves to on `device` (TORCH or
     TRITON, AUTO resolved) and, for TRITON, a ``FusedRowCopy`` whose address table covers
     `targets` (per-layer byte rows, or every state tensor), else None.
@@ -58,11 +58,12 @@ def resolve_backend(copy_backend: CopyBackend | str, device: torch.device,
     except ValueError:
         raise InvalidSpecError(f"copy_backend must be one of "
                                f"{[b.value for b in CopyBackend]}, got {copy_backend!r}") from None
+    kw = {} if tile_bytes is None else {"tile_bytes": tile_bytes}
     if backend is CopyBackend.TRITON:
-        return backend, fused_copy.FusedRowCopy(targets)
+        return backend, fused_copy.FusedRowCopy(targets, **kw)
     if backend is CopyBackend.AUTO and device.type == "cuda" and fused_copy.triton_available():
         try:  # views whose rows are not dense byte runs stay on torch
-            return CopyBackend.TRITON, fused_copy.FusedRowCopy(targets)
+            return CopyBackend.TRITON, fused_copy.FusedRowCopy(targets, **kw)
         except InvalidSpecError:
             pass
     return CopyBackend.TORCH, None

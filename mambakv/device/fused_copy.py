@@ -117,8 +117,10 @@ class FusedRowCopy:
         if device.type not in ("cuda", "cpu"):
             raise InvalidSpecError(f"the fused copy runs on CUDA (or CPU, interpreted), not {device}")
         mod = _kernel_module()
-        self._kernel = mod.COMPILED if device.type == "cuda" else mod.INTERPRETED
-        if self._kernel is None:
+        #: the launch target, ``kernel[grid](...)``: Triton's compiled kernel on CUDA, the
+        #: interpreter on CPU; replaceable (e.g. by a compile-only stand-in for offline checks)
+        self.kernel: Any = mod.COMPILED if device.type == "cuda" else mod.INTERPRETED
+        if self.kernel is None:
             raise InvalidSpecError("this triton has no interpreter: the fused copy cannot run "
                                    "on CPU tensors")
         align = _alignment(*(v for e in entries for v in e))
@@ -144,6 +146,11 @@ class FusedRowCopy:
         self._num_tiles = -(-longest // self._block) if longest else 0
 
     @property
+    def num_warps(self) -> int:
+        """Warps per program of every launch."""
+        return self._num_warps
+
+    @property
     def num_entries(self) -> int:
         """Tensors in the table (one program column each)."""
         return len(self.row_lengths)
@@ -161,7 +168,7 @@ class FusedRowCopy:
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             for start in range(0, num_pairs, chunk):  # Triton launches on the current device
                 grid = (min(chunk, num_pairs - start) * self._num_tiles, self.num_entries)
-                self._kernel[grid](self._table, idx[start:],
+                self.kernel[grid](self._table, idx[start:],
                                    0 if zero else num_pairs, self._num_tiles,
                                    BLOCK=self._block, ELEM=self._elem, VEC=self.vec,
                                    ALIGN_BYTES=self._align_bytes, ZERO=zero,

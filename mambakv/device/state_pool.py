@@ -72,7 +72,7 @@ class MambaStatePool:
 
     def __init__(self, kv_cache_spec: MambaSpec, num_layers: int, num_blocks: int,
                  device: Any = None, *, views: Sequence[Sequence[torch.Tensor]] | None = None,
-                 copy_backend: CopyBackend | str = CopyBackend.TORCH) -> None:
+                 copy_backend: CopyBackend | str = CopyBackend.TORCH, fused_tile_bytes: int | None = None) -> None:
         if not isinstance(kv_cache_spec, MambaSpec):
             raise InvalidSpecError(f"kv_cache_spec must be a MambaSpec, got {kv_cache_spec!r}")
         if num_layers <= 0 or num_blocks < 2:
@@ -95,11 +95,12 @@ class MambaStatePool:
         self._check_layout()
         self._fused: Any = None  # a FusedRowCopy when the backend is TRITON
         self._backend = CopyBackend.TORCH
-        self._init_backend(copy_backend)
+        self._init_backend(copy_backend, fused_tile_bytes)
 
     @classmethod
     def from_raw(cls, kv_cache_spec: MambaSpec, raw: Sequence[torch.Tensor], *,
-                 copy_backend: CopyBackend | str = CopyBackend.TORCH) -> MambaStatePool:
+                 copy_backend: CopyBackend | str = CopyBackend.TORCH,
+                 fused_tile_bytes: int | None = None) -> MambaStatePool:
         """A pool over per-layer raw byte tensors ``raw[layer]`` (uint8 ``[num_blocks, >= page]``),
         as laid out by :class:`mambakv.device.layout.HybridLayout`; copies move whole byte rows
         (bytes ``[0, raw_page_size_bytes)`` of a row: the padding after the states is never
@@ -109,14 +110,20 @@ class MambaStatePool:
         views = [carve_state_views(r, kv_cache_spec) for r in raw]
         pool = cls(kv_cache_spec, len(raw), raw[0].shape[0], raw[0].device, views=views)
         pool._rows = [_wide_rows(r[:, : kv_cache_spec.raw_page_size_bytes]) for r in raw]
-        pool._init_backend(copy_backend)
+        pool._init_backend(copy_backend, fused_tile_bytes)
         return pool
 
-    def _init_backend(self, copy_backend: CopyBackend | str) -> None:
+    def _init_backend(self, copy_backend: CopyBackend | str, tile_bytes: int | None = None) -> None:
         """Resolve ``copy_backend`` (:func:`~mambakv.device.backend.resolve_backend`) over the
         per-layer byte rows (or, without them, over every state tensor)."""
         targets = self._rows if self._rows is not None else [t for s in self._states for t in s]
-        self._backend, self._fused = resolve_backend(copy_backend, self.device, targets)
+        self._backend, self._fused = resolve_backend(copy_backend, self.device, targets, tile_bytes=tile_bytes)
+
+    @property
+    def fused_copy(self) -> Any:
+        """The :class:`~mambakv.device.fused_copy.FusedRowCopy` of the TRITON backend (its
+        element width, entries, kernel), or None on TORCH; read-only."""
+        return self._fused
 
     @property
     def copy_backend(self) -> CopyBackend:
