@@ -272,7 +272,15 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries):
             for a in self._attention:
                 a.cache_blocks(request, num_real)
         live.refresh(policies)
-        live.retire_quiet = 0
+        if self.lazy_managers:
+            live.retire_quiet = 0  # lazy groups settle decode steps at every retire
+        else:  # this step may have tagged a state: the next retire event moves
+            quiet = 1 << 62
+            for p, t in zip(policies, live.tables):
+                nxt = p.next_event(t)
+                if nxt < quiet:
+                    quiet = nxt
+            live.retire_quiet = quiet
         if any_new and self.mamba_managers:
             self._copies_pending = self._zeros_pending = True
         # Most decode steps need no block: hand out one shared empty result (do not mutate it).
