@@ -248,3 +248,28 @@ def test_cli_fleet_plot(tmp_path, capsys):
     png = tmp_path / "f.png"
     assert main(["fleet", str(path), "--instances", "2", "--router", "kv", "--plot", str(png), "--quiet"]) == 0
     assert png.stat().st_size > 1000
+
+
+def test_one_instance_is_the_single_scheduler_run(tmp_path):
+    """--instances 1 is `mambakv trace`: the same steps, clock, hits and preemptions."""
+    from mambakv.sim import run_trace
+
+    rows = [A, dict(B, timestamp=30), C(40), dict(A, timestamp=45, hash_ids=[1, 2, 3, 9], input_length=1900)]
+    path = write(tmp_path, rows)
+    for router in ("round-robin", "kv", "oracle"):
+        fleet = run_fleet(path, instances=1, router=router).to_dict()
+        single = run_trace(path).to_dict()
+        for key in ("hit_rate", "cached_tokens", "preemptions", "sim_clock_ms", "scheduled_tokens"):
+            assert fleet[key] == single[key], (router, key)
+        assert fleet["cached_tokens"] > 0
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="../shared/traces/conversation_trace.jsonl absent")
+def test_real_trace_one_instance_is_the_single_run():
+    from mambakv.sim import run_trace
+
+    fleet = run_fleet(TRACE, instances=1, limit=300).to_dict()
+    single = run_trace(TRACE, limit=300).to_dict()
+    for key in ("hit_rate", "cached_tokens", "preemptions", "sim_clock_ms", "scheduled_tokens", "finished"):
+        assert fleet[key] == single[key], key
+    assert fleet["per_instance"][0]["steps"] == single["steps"]

@@ -173,6 +173,7 @@ class Fleet:
         """Overlap tokens per instance of the prompt queried as ``tokens[:N-1]``."""
         assert self.index is not None
         req, bs = sreq.request, self.block_size
+        req.set_hash_block_size(self.instances[0].sched.coord.hash_block_size)  # the instances' (one config)
         full = (req.num_tokens - 1) // bs
         keys = group_block_hashes(req, bs)[:full] if isinstance(self.index, PrefixIndex) else []
         tokens = req.all_token_ids[: full * bs].tolist() if isinstance(self.index, DynamoIndex) else []
