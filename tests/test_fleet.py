@@ -273,3 +273,15 @@ def test_real_trace_one_instance_is_the_single_run():
     for key in ("hit_rate", "cached_tokens", "preemptions", "sim_clock_ms", "scheduled_tokens", "finished"):
         assert fleet[key] == single[key], key
     assert fleet["per_instance"][0]["steps"] == single["steps"]
+
+
+def test_instances_generate_different_outputs(tmp_path):
+    """Instance i's scheduler is seeded seed + i: A on 0 and B on 1 (both first on their
+    instance) get different output ids; one instance alone keeps the command's seed."""
+    outs: dict[str, list[int]] = {}
+
+    def keep(sreq):
+        outs[sreq.spec.request_id] = sreq.request.all_token_ids[sreq.spec.num_prompt_tokens:].tolist()
+
+    run_fleet(write(tmp_path, [A, dict(B, timestamp=0)]), instances=2, on_finish=keep)
+    assert len(outs["trace-0"]) == len(outs["trace-1"]) == 2 and outs["trace-0"] != outs["trace-1"]

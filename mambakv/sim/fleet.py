@@ -117,7 +117,8 @@ class Fleet:
         load_bound: the kv / oracle routers' bound (>= 1).
         index: the kv router's index, ``"mambakv"`` or ``"dynamo"``.
         on_finish: called with each finished request (any instance).
-        scheduler_kwargs: passed to every Scheduler (``lag`` must stay 0).
+        scheduler_kwargs: passed to every Scheduler (``lag`` must stay 0); instance i gets
+            ``seed + i``, so that two instances never generate the same output ids.
 
     Raises:
         InvalidSpecError: no instance, unknown router or index, a bound < 1, kv without events.
@@ -145,9 +146,11 @@ class Fleet:
         for i, c in enumerate(coords):
             if kv and not c.block_pool.enable_kv_cache_events:
                 raise InvalidSpecError("the kv router needs coordinators built with enable_kv_cache_events=True")
-            sched = Scheduler(c, on_finish=on_finish, **scheduler_kwargs)
+            kw = dict(scheduler_kwargs, seed=scheduler_kwargs.get("seed", 0) + i)  # outputs differ across instances
+            sched = Scheduler(c, on_finish=on_finish, **kw)
             self.instances.append(_Instance(i, sched, RouterAnnouncer.for_coordinator(c) if kv else None))
         self.index: PrefixIndex | DynamoIndex | None = None
+        self.block_size = 0  # the announced block size (kv router)
         if kv:
             bs = self.instances[0].announcer.block_size  # type: ignore[union-attr]
             self.block_size = bs
