@@ -285,3 +285,24 @@ def test_instances_generate_different_outputs(tmp_path):
 
     run_fleet(write(tmp_path, [A, dict(B, timestamp=0)]), instances=2, on_finish=keep)
     assert len(outs["trace-0"]) == len(outs["trace-1"]) == 2 and outs["trace-0"] != outs["trace-1"]
+
+
+@pytest.mark.parametrize("index", ["mambakv", "dynamo"])
+def test_kv_index_follows_evictions(tmp_path, index):
+    """Small pools (40 blocks of 544 tokens per instance): later requests evict earlier chains.
+    After every step the index holds exactly what each instance announces (check_invariants),
+    and the run still finds hits; Dynamo's tree makes the same choices."""
+    if index == "dynamo":
+        pytest.importorskip("dynamo.llm", reason="needs ai-dynamo-runtime")
+        pytest.importorskip("msgspec")
+    rows = []
+    for k in range(16):
+        fam = k % 5
+        ids = [1000 * fam + j for j in range(2 + k % 3)] + [50_000 + k]
+        rows.append({"timestamp": 150 * k, "input_length": 512 * len(ids), "output_length": 3, "hash_ids": ids})
+    path = write(tmp_path, rows)
+    res = run_fleet(path, instances=2, router="kv", num_blocks=40, check_invariants=True, index=index)
+    d = res.to_dict()
+    assert d["finished"] == 16 and d["cached_tokens"] > 0
+    assert sum(p["evictions"] for p in d["per_instance"]) > 0
+    assert res.fleet.assignments == run_fleet(path, instances=2, router="kv", num_blocks=40).fleet.assignments

@@ -117,6 +117,7 @@ class Fleet:
         load_bound: the kv / oracle routers' bound (>= 1).
         index: the kv router's index, ``"mambakv"`` or ``"dynamo"``.
         on_finish: called with each finished request (any instance).
+        check_invariants: call :meth:`check_invariants` after every step (tests; slow).
         scheduler_kwargs: passed to every Scheduler (``lag`` must stay 0); instance i gets
             ``seed + i``, so that two instances never generate the same output ids.
 
@@ -126,7 +127,8 @@ class Fleet:
 
     def __init__(self, coords: Sequence[KVCacheCoordinator], router: RouterKind | str, *,
                  load_bound: float = DEFAULT_LOAD_BOUND, index: str = "mambakv",
-                 on_finish: Callable[[SimRequest], None] | None = None, **scheduler_kwargs: Any) -> None:
+                 on_finish: Callable[[SimRequest], None] | None = None, check_invariants: bool = False,
+                 **scheduler_kwargs: Any) -> None:
         if not coords:
             raise InvalidSpecError("a fleet needs at least one instance")
         try:
@@ -140,6 +142,7 @@ class Fleet:
         if scheduler_kwargs.get("lag", 0):
             raise InvalidSpecError("a fleet processes each step's results in that step (lag 0)")
         self.load_bound = load_bound
+        self.check = check_invariants
         self.index_name = index
         kv = self.router is RouterKind.KV
         self.instances = []
@@ -217,6 +220,18 @@ class Fleet:
             if routed:
                 assert self.index is not None
                 self.index.apply(inst.index, routed)
+        if self.check:
+            self.check_invariants()
+
+    def check_invariants(self) -> None:
+        """Assert: every coordinator and announce filter is consistent, and mambakv's index
+        holds exactly what each instance announces."""
+        for inst in self.instances:
+            inst.sched.coord.check_invariants()
+            if inst.announcer is not None:
+                inst.announcer.check_invariants()
+                if isinstance(self.index, PrefixIndex):
+                    assert self.index.keys(inst.index) == inst.announcer.announced_keys(), inst.index
 
     def run(self, specs: Sequence[RequestSpec]) -> None:
         """Route and run `specs` (in arrival order) to completion."""

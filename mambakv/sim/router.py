@@ -110,8 +110,9 @@ class PrefixIndex:
             out.append(n)
         return out
 
-    def num_blocks(self, instance: int) -> int:
-        return len(self._keys[instance])
+    def keys(self, instance: int) -> frozenset[bytes]:
+        """The keys `instance` announced (a copy)."""
+        return frozenset(self._keys[instance])
 
 
 class DynamoIndex:
