@@ -306,3 +306,20 @@ def test_kv_index_follows_evictions(tmp_path, index):
     assert d["finished"] == 16 and d["cached_tokens"] > 0
     assert sum(p["evictions"] for p in d["per_instance"]) > 0
     assert res.fleet.assignments == run_fleet(path, instances=2, router="kv", num_blocks=40).fleet.assignments
+
+
+def test_fleet_rejects_mixed_block_sizes():
+    from mambakv.sim.fleet import Fleet
+    from tests.coord_helpers import coordinator, fa_spec
+    from tests.helpers import mamba_spec
+
+    a = coordinator(20, fa_spec(4), mamba_spec(4), enable_kv_cache_events=True)
+    b = coordinator(20, fa_spec(8), mamba_spec(8), enable_kv_cache_events=True)
+    with pytest.raises(InvalidSpecError, match="different sizes"):
+        Fleet([a, b], "oracle")
+    with pytest.raises(InvalidSpecError, match="enable_kv_cache_events"):
+        Fleet([coordinator(20, fa_spec(4), mamba_spec(4))], "kv")
+    with pytest.raises(InvalidSpecError, match="at least one instance"):
+        Fleet([], "kv")
+    with pytest.raises(InvalidSpecError, match="lag 0"):
+        Fleet([a], "kv", lag=1)

@@ -122,7 +122,8 @@ class Fleet:
             ``seed + i``, so that two instances never generate the same output ids.
 
     Raises:
-        InvalidSpecError: no instance, unknown router or index, a bound < 1, kv without events.
+        InvalidSpecError: no instance, unknown router or index, a bound < 1, kv without events,
+            instances that hash (or, for kv, announce) blocks of different sizes.
     """
 
     def __init__(self, coords: Sequence[KVCacheCoordinator], router: RouterKind | str, *,
@@ -141,6 +142,8 @@ class Fleet:
             raise InvalidSpecError(f"unknown index {index!r}; known: {', '.join(INDEXES)}")
         if scheduler_kwargs.get("lag", 0):
             raise InvalidSpecError("a fleet processes each step's results in that step (lag 0)")
+        if len({c.hash_block_size for c in coords}) > 1:  # one request object is hashed for all
+            raise InvalidSpecError(f"instances hash blocks of different sizes {sorted({c.hash_block_size for c in coords})}")
         self.load_bound = load_bound
         self.check = check_invariants
         self.index_name = index
@@ -155,7 +158,10 @@ class Fleet:
         self.index: PrefixIndex | DynamoIndex | None = None
         self.block_size = 0  # the announced block size (kv router)
         if kv:
-            bs = self.instances[0].announcer.block_size  # type: ignore[union-attr]
+            sizes = {inst.announcer.block_size for inst in self.instances}  # type: ignore[union-attr]
+            if len(sizes) > 1:
+                raise InvalidSpecError(f"instances announce blocks of different sizes {sorted(sizes)}")
+            bs = sizes.pop()
             self.block_size = bs
             self.index = PrefixIndex(len(coords)) if index == "mambakv" else DynamoIndex(len(coords), bs)
         self.assignments: list[int] = []  # instance of each routed request, in arrival order
