@@ -212,7 +212,7 @@ def test_cli_fleet_json(tmp_path, capsys):
     assert [p["hit_rate"] for p in d["per_instance"]] == [0.0, round(1088 / 3584, 6)]
     for key in ("queue_delay_ms_mean", "queue_delay_ms_p90", "max_scheduled_share", "preemptions"):
         assert key in d
-    for key in ("running", "waiting", "preemptions", "peak_running", "peak_waiting", "finished"):
+    for key in ("preemptions", "peak_running", "peak_waiting", "finished", "scheduled_share"):
         assert key in d["per_instance"][0]
 
 

@@ -279,7 +279,6 @@ class FleetResult:
                 "instance": inst.index, "requests": inst.routed, "finished": m.finished,
                 "prompt_tokens": m.prompt_tokens, "cached_tokens": m.cached_tokens, "hit_rate": round(m.hit_rate, 6),
                 "preemptions": m.preemptions, "peak_running": m.peak_running, "peak_waiting": inst.peak_waiting,
-                "running": len(inst.sched.running), "waiting": len(inst.sched.waiting),
                 "scheduled_tokens": m.scheduled_tokens,
                 "scheduled_share": round(m.scheduled_tokens / scheduled, 6) if scheduled else 0.0,
                 "queue_delay_ms_mean": round(sum(inst.delays_ms) / len(inst.delays_ms), 3) if inst.delays_ms else 0.0,
