@@ -121,16 +121,21 @@ def _add_common(p: argparse.ArgumentParser, *, in_flight: int, spec_tokens: int)
                         "hit rate, per step (.png, .svg or .pdf; needs matplotlib); checked before the run")
 
 
-def _add_fleet(p: argparse.ArgumentParser) -> None:
-    from mambakv.sim.fleet import INDEXES
-    from mambakv.sim.router import DEFAULT_LOAD_BOUND, ROUTERS
+#: ``mambakv fleet`` choices (``mambakv.sim.router.ROUTERS``, ``mambakv.sim.fleet.INDEXES`` and
+#: ``DEFAULT_LOAD_BOUND``; literal here so that building the parser loads no simulator).
+FLEET_ROUTERS = ("round-robin", "least-loaded", "kv", "oracle")
+FLEET_INDEXES = ("mambakv", "dynamo")
+FLEET_LOAD_BOUND = 1.5
 
+
+def _add_fleet(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="trace file (one JSON object per line)")
     p.add_argument("--instances", type=POSITIVE_INT, default=4, help="engines in the fleet (default 4)")
-    p.add_argument("--router", choices=ROUTERS, default="round-robin", help="routing policy (default round-robin)")
-    p.add_argument("--load-bound", type=_number(float, low=1, low_ok=True), default=DEFAULT_LOAD_BOUND,
+    p.add_argument("--router", choices=FLEET_ROUTERS, default="round-robin",
+                   help="routing policy (default round-robin)")
+    p.add_argument("--load-bound", type=_number(float, low=1, low_ok=True), default=FLEET_LOAD_BOUND,
                    help="kv / oracle: only instances with load <= this x the mean load (default 1.5)")
-    p.add_argument("--index", choices=INDEXES, default="mambakv",
+    p.add_argument("--index", choices=FLEET_INDEXES, default="mambakv",
                    help="kv: mambakv's own index, or Dynamo's RadixTree (needs ai-dynamo-runtime)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, help="packaged model name; default qwen3-next-80b-a3b")
@@ -151,8 +156,9 @@ def _add_fleet(p: argparse.ArgumentParser) -> None:
 
 
 def _run_fleet(args: argparse.Namespace) -> str:
+    from mambakv.fleet_report import format_fleet_report
     from mambakv.sim import DEFAULT_MODEL, load_trace
-    from mambakv.sim.fleet import format_fleet_report, run_fleet, write_fleet_plot
+    from mambakv.sim.fleet import run_fleet, write_fleet_plot
 
     check_plot_path(args.plot)
     specs = load_trace(args.path, limit=args.limit, skip=args.skip)
@@ -203,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conversations", type=POSITIVE_INT, default=8, help="number of chats (default 8)")
     p.add_argument("--turns", type=POSITIVE_INT, default=4, help="turns per chat (default 4)")
     p.add_argument("--one-at-a-time", action="store_true", help="each turn alone, in arrival order")
-    from mambakv.sim.fleet import FLEET_HELP
+    from mambakv.fleet_report import FLEET_HELP
 
     p = sub.add_parser("fleet", help="a Mooncake trace over N instances behind a router",
                        epilog=FLEET_HELP, formatter_class=raw)

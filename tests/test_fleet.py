@@ -323,3 +323,17 @@ def test_fleet_rejects_mixed_block_sizes():
         Fleet([], "kv")
     with pytest.raises(InvalidSpecError, match="lag 0"):
         Fleet([a], "kv", lag=1)
+
+
+def test_cli_choices_are_the_simulators_and_the_parser_loads_no_simulator():
+    import subprocess
+    import sys
+
+    from mambakv import cli
+    from mambakv.sim.fleet import INDEXES
+    from mambakv.sim.router import DEFAULT_LOAD_BOUND, ROUTERS
+
+    assert (cli.FLEET_ROUTERS, cli.FLEET_INDEXES, cli.FLEET_LOAD_BOUND) == (ROUTERS, INDEXES, DEFAULT_LOAD_BOUND)
+    code = "import sys, mambakv.cli as c; c.build_parser(); print('mambakv.sim' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
