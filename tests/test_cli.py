@@ -324,7 +324,7 @@ def test_identical_groups_merge_into_one_band():
 
 def test_help_needs_no_source_checkout(capsys):
     # a wheel ships no docs/: --help explains the report itself
-    for argv in (["--help"], ["replay", "--help"], ["trace", "--help"], ["chat", "--help"]):
+    for argv in (["--help"], ["replay", "--help"], ["trace", "--help"], ["chat", "--help"], ["fleet", "--help"]):
         assert main(argv) == 0
         out = capsys.readouterr().out
         assert "docs/" not in out

@@ -4,6 +4,7 @@
 (multi-turn chats); :class:`Scheduler` for custom loops. See docs/replay.md.
 """
 
+from mambakv.sim.fleet import FleetResult, run_fleet
 from mambakv.sim.metrics import GroupMetrics, SimMetrics, group_usage
 from mambakv.sim.runner import (
                                 DEFAULT_MODEL,
@@ -25,6 +26,7 @@ from mambakv.sim.workloads import (
 )
 
 __all__ = [
+    "FleetResult", "run_fleet",
     "DEFAULT_MODEL", "DEFAULT_VOCAB", "BudgetTooSmallError", "GroupMetrics", "RequestSpec", "Scheduler",
     "SimMetrics", "SimRequest", "SimResult", "build_coordinator", "conversations", "group_usage", "load_trace",
     "long_prefill", "run_conversations", "run_replay", "run_trace", "run_workload", "trace_block_tokens",
