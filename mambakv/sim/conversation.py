@@ -58,7 +58,7 @@ import numpy as np
 
 from mambakv.core.errors import MambaKVError, TraceFormatError
 from mambakv.sim.results import SimRequest
-from mambakv.sim.workloads import TRACE_BLOCK_TOKENS, RequestSpec, _trace_row
+from mambakv.sim.workloads import TRACE_BLOCK_TOKENS, RequestSpec, iter_trace_rows
 
 __all__ = ["REPLAY_MODES", "ConversationReplay", "Link", "Relation", "TraceRow", "link_requests",
            "read_trace_rows"]
@@ -109,26 +109,7 @@ def read_trace_rows(path: str | Path, *, skip: int = 0, limit: int | None = None
     Raises:
         TraceFormatError: as ``load_trace``.
     """
-    p = Path(path)
-    if limit is not None and limit <= 0:
-        raise TraceFormatError(f"limit must be > 0, got {limit}")
-    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
-        raise TraceFormatError(f"skip must be an int >= 0, got {skip!r}")
-    out: list[TraceRow] = []
-    try:
-        f = p.open("rb")
-    except OSError as e:
-        raise TraceFormatError(f"cannot read trace {p}: {e.strerror or e}") from None
-    with f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
-                break
-            if lineno <= skip:
-                continue
-            row = _trace_row(p, lineno, line)
-            if row is not None:
-                out.append(TraceRow(row[1], row[2], tuple(row[3])))
-    return out
+    return [TraceRow(n_in, n_out, tuple(ids)) for _, n_in, n_out, ids in iter_trace_rows(path, skip=skip, limit=limit)]
 
 
 class _Node:

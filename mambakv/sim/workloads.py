@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -137,6 +137,37 @@ def _trace_row(path: Path, lineno: int, raw: bytes) -> tuple[float, int, int, li
     return float(ts), n_in, n_out, ids
 
 
+def iter_trace_rows(path: str | Path, *, skip: int = 0, limit: int | None = None,
+                    ) -> Iterator[tuple[float, int, int, list[int]]]:
+    """The parsed request lines of a Mooncake trace, ``(timestamp ms, input_length,
+    output_length, hash_ids)``, from line ``skip + 1``, at most `limit` of them, blank lines
+    skipped: the one reader of :func:`load_trace` and the conversation replay.
+
+    Raises:
+        TraceFormatError: as :func:`load_trace`.
+    """
+    p = Path(path)
+    if limit is not None and limit <= 0:
+        raise TraceFormatError(f"limit must be > 0, got {limit}")
+    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+        raise TraceFormatError(f"skip must be an int >= 0, got {skip!r}")
+    try:
+        f = p.open("rb")  # bytes: a non-UTF-8 line is reported with its number
+    except OSError as e:
+        raise TraceFormatError(f"cannot read trace {p}: {e.strerror or e}") from None
+    count = 0
+    with f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and count >= limit:
+                break
+            if lineno <= skip:
+                continue
+            row = _trace_row(p, lineno, line)
+            if row is not None:
+                count += 1
+                yield row
+
+
 def load_trace(path: str | Path, *, limit: int | None = None, vocab: int = DEFAULT_VOCAB,
                max_output_tokens: int | None = None, skip: int = 0) -> list[RequestSpec]:
     """The first `limit` requests (all when None) of a Mooncake JSONL trace, starting at line
@@ -153,35 +184,19 @@ def load_trace(path: str | Path, *, limit: int | None = None, vocab: int = DEFAU
             line `skip`.
     """
     p = Path(path)
-    if limit is not None and limit <= 0:
-        raise TraceFormatError(f"limit must be > 0, got {limit}")
-    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
-        raise TraceFormatError(f"skip must be an int >= 0, got {skip!r}")
     tokens = _BlockTokens(vocab)
     out: list[RequestSpec] = []
-    try:
-        f = p.open("rb")  # bytes: a non-UTF-8 line is reported with its number
-    except OSError as e:
-        raise TraceFormatError(f"cannot read trace {p}: {e.strerror or e}") from None
-    with f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
-                break
-            if lineno <= skip:
-                continue
-            row = _trace_row(p, lineno, line)
-            if row is None:
-                continue
-            ts, n_in, n_out, ids = row
-            n_out = max(1, n_out)
-            if max_output_tokens is not None:
-                n_out = min(n_out, max(1, max_output_tokens))
+    for row in iter_trace_rows(p, skip=skip, limit=limit):
+        ts, n_in, n_out, ids = row
+        n_out = max(1, n_out)
+        if max_output_tokens is not None:
+            n_out = min(n_out, max(1, max_output_tokens))
 
-            def make(ids: list[int] = ids, n: int = n_in) -> np.ndarray:
-                k = -(-n // TRACE_BLOCK_TOKENS)
-                return np.concatenate([tokens(h) for h in ids[:k]])[:n]
+        def make(ids: list[int] = ids, n: int = n_in) -> np.ndarray:
+            k = -(-n // TRACE_BLOCK_TOKENS)
+            return np.concatenate([tokens(h) for h in ids[:k]])[:n]
 
-            out.append(RequestSpec(f"trace-{skip + len(out)}", ts, n_in, n_out, make))
+        out.append(RequestSpec(f"trace-{skip + len(out)}", ts, n_in, n_out, make))
     if not out:
         raise TraceFormatError(f"{p}: no requests" + (f" after line {skip}" if skip else ""))
     return out
