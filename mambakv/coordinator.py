@@ -299,22 +299,3 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries):
                 stats.queries += request.num_tokens
                 stats.hits += num_hit_tokens
         request.num_admissions += 1
-
-    def num_blocks_needed(self, request: Request, num_new_tokens: int, *, num_new_computed_tokens: int = 0,
-                          new_computed_blocks: KVCacheBlocks | None = None, num_lookahead_tokens: int = 0) -> int:
-        """Free blocks ``allocate`` would consume for this step, hit blocks still in the free
-        queue included (nano-vllm's ``can_allocate``): compare with
-        ``block_pool.get_num_free_blocks()``. Read-only; pins and checks nothing.
-
-        Raises:
-            InvalidTokenCountError: a negative or non-int count.
-        """
-        num_new_tokens = as_count(num_new_tokens, "num_new_tokens")
-        num_computed = request.num_computed_tokens + as_count(num_new_computed_tokens, "num_new_computed_tokens")
-        lookahead = as_count(num_lookahead_tokens, "num_lookahead_tokens")
-        num_tokens = num_computed + num_new_tokens
-        lookahead = max(0, min(lookahead, self.max_model_len - num_tokens))
-        hits = new_computed_blocks.blocks if new_computed_blocks is not None else self._no_hits
-        rid = request.request_id
-        return sum(m.count_columns(rid, num_tokens, [hits[g] for g in cols], num_computed, lookahead)
-                   for m, cols in zip(self.policies, self._columns))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
-from mambakv.core.errors import InvalidRequestError
+from mambakv.core.errors import InvalidRequestError, as_count
 from mambakv.core.request import Request
 from mambakv.groups import LazyMambaManager, MambaManager, SingleTypeKVCacheManager, StatePlan
 from mambakv.hits import PrefixCacheStats, PrefixHitFinder
@@ -33,6 +33,9 @@ class CoordinatorQueries:
     _new_pending: bool
     _copies_pending: bool
     _zeros_pending: bool
+    max_model_len: int
+    _columns: tuple[tuple[int, ...], ...]
+    _no_hits: tuple[tuple[()], ...]
 
     # ------------------------------------------------------------------ prefix hits
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
@@ -71,6 +74,25 @@ class CoordinatorQueries:
         """
         request.set_hash_block_size(self.hash_block_size)
         return self._hits.shared_prefix_length(request) if self.enable_caching else 0
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int, *, num_new_computed_tokens: int = 0,
+                          new_computed_blocks: KVCacheBlocks | None = None, num_lookahead_tokens: int = 0) -> int:
+        """Free blocks ``allocate`` would consume for this step, hit blocks still in the free
+        queue included (nano-vllm's ``can_allocate``): compare with
+        ``block_pool.get_num_free_blocks()``. Read-only; pins and checks nothing.
+
+        Raises:
+            InvalidTokenCountError: a negative or non-int count.
+        """
+        num_new_tokens = as_count(num_new_tokens, "num_new_tokens")
+        num_computed = request.num_computed_tokens + as_count(num_new_computed_tokens, "num_new_computed_tokens")
+        lookahead = as_count(num_lookahead_tokens, "num_lookahead_tokens")
+        num_tokens = num_computed + num_new_tokens
+        lookahead = max(0, min(lookahead, self.max_model_len - num_tokens))
+        hits = new_computed_blocks.blocks if new_computed_blocks is not None else self._no_hits
+        rid = request.request_id
+        return sum(m.count_columns(rid, num_tokens, [hits[g] for g in cols], num_computed, lookahead)
+                   for m, cols in zip(self.policies, self._columns))
 
     # ------------------------------------------------------------------ plans
     def take_step_plan(self) -> StepPlan:
