@@ -231,15 +231,16 @@ class KVCacheCoordinator(CoordinatorQueries):
                 per_column = [p.allocate_new_blocks(rid, num_tokens, num_lookahead_tokens, num_draft_tokens=num_drafts,
                                                     num_computed_tokens=num_computed, defer_spare=True)]
             else:
-                per_column = p.allocate_columns(rid, num_tokens, num_lookahead_tokens, num_drafts)
+                per_column = p.allocate_columns(rid, num_tokens, num_lookahead_tokens, num_drafts, num_computed_tokens=num_computed,
+                                                decode=num_computed >= request.num_prompt_tokens)
             if per_column[0]:
                 any_new = True
                 self._new_pending = True
                 for gid, blocks in zip(cols, per_column):
                     new_blocks[gid] = blocks
                     self._new_blocks[gid].append(blocks)  # ids are read only if a plan is taken
-        for lazy in self.lazy_managers:  # optional spares last: they may only use blocks nobody counted on
-            lazy.plan_checkpoint_write(rid)
+        for mp in self._mamba_policies:  # optional spares last: they may only use blocks nobody counted on
+            mp.plan_checkpoint_write(rid)
         # publish: attention KV is written before it is read; never blocks with drafts or placeholders
         if self.enable_caching:
             num_real = min(num_tokens - num_drafts, request.num_tokens)

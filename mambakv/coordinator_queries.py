@@ -111,10 +111,11 @@ class CoordinatorQueries:
         return {m.kv_cache_group_id: p for m in self.mamba_managers if (p := m.take_zero_plan())}
 
     def take_checkpoint_writes(self) -> dict[int, list[tuple[str, int, int]]]:
-        """Per lazy Mamba group: ``(request id, block id, position)`` for each step planned
-        since the last call inside a crossing window: its forward writes the state at
-        `position` into that block if the step computes that position (drafts included)."""
-        return {m.kv_cache_group_id: w for m in self.lazy_managers if (w := m.take_checkpoint_writes())}
+        """Per Mamba group: ``(request id, block id, position)`` for each block a step planned
+        since the last call writes (running state, scratch, ``latest``'s spare) and the
+        position it holds after the step; a spare gets the state at `position` only if the
+        step computes that position (drafts included). See MambaManager.take_checkpoint_writes."""
+        return {m.kv_cache_group_id: w for m in self.mamba_managers if (w := m.take_checkpoint_writes())}
 
     def get_state_plan(self, request_id: str) -> dict[int, StatePlan]:
         """Per lazy Mamba group holding the request: its working / checkpoint / spare /

@@ -86,6 +86,22 @@ class MambaCacheMode(str, enum.Enum):
         return None
 
 
+class DecodeCheckpoints(str, enum.Enum):
+    """Which decode-boundary states an ``ALIGN`` Mamba group publishes (issue 16).
+
+    * ``EVERY``: eager align: a new block per boundary, each settled boundary state published.
+    * ``LATEST``: the running state advances in place; near a boundary a spare block (only if
+      free without eviction) receives the boundary state, published once the crossing settled.
+    * ``NONE``: the running state advances in place; no decode-boundary state is published.
+
+    Prefill is the same in all three (``mambakv/groups/mamba_decode.py``).
+    """
+
+    NONE = "none"
+    EVERY = "every"
+    LATEST = "latest"
+
+
 def _check_positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise InvalidSpecError(f"{name} must be a positive int, got {value!r}")
@@ -167,6 +183,8 @@ class MambaSpec(KVCacheSpec):
             is always the :class:`MambaCacheMode` (normalised at construction, and typed so).
         num_speculative_blocks: scratch blocks for draft positions (MTP/EAGLE), >= 0.
         page_size_padded: bytes per block if padded up to the attention page (DESIGN.md 7).
+        decode_checkpoints: :class:`DecodeCheckpoints` or its string (``"every"``, the default,
+            ``"latest"``, ``"none"``); used by mode ``ALIGN`` only. Part of the spec's equality.
 
     Raises:
         InvalidSpecError: empty or mismatched shapes/dtypes, a non-positive dimension, an
@@ -179,10 +197,12 @@ class MambaSpec(KVCacheSpec):
     mode: MambaCacheMode = MambaCacheMode.NONE
     num_speculative_blocks: int = 0
     page_size_padded: int | None = field(default=None, compare=True)
+    decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY
 
     def __init__(self, block_size: int, shapes: tuple[tuple[int, ...], ...] = (), dtypes: tuple[Any, ...] = (),
                  mode: MambaCacheMode | str = MambaCacheMode.NONE, num_speculative_blocks: int = 0,
-                 page_size_padded: int | None = None) -> None:
+                 page_size_padded: int | None = None,
+                 decode_checkpoints: DecodeCheckpoints | str = DecodeCheckpoints.EVERY) -> None:
         # Written out (``init=False``) only so that `mode` may be a string while the field is
         # typed as the enum: the dataclass would type both as the field's annotation.  Same
         # parameters, order and defaults as the generated one; __post_init__ validates.
@@ -193,6 +213,7 @@ class MambaSpec(KVCacheSpec):
         set_field(self, "mode", mode)
         set_field(self, "num_speculative_blocks", num_speculative_blocks)
         set_field(self, "page_size_padded", page_size_padded)
+        set_field(self, "decode_checkpoints", decode_checkpoints)
         self.__post_init__()
 
     def __post_init__(self) -> None:
@@ -211,6 +232,11 @@ class MambaSpec(KVCacheSpec):
             object.__setattr__(self, "mode", MambaCacheMode(self.mode))
         except ValueError:
             raise InvalidSpecError(f"unknown Mamba cache mode {self.mode!r}") from None
+        try:
+            object.__setattr__(self, "decode_checkpoints", DecodeCheckpoints(self.decode_checkpoints))
+        except ValueError:
+            raise InvalidSpecError(f"decode_checkpoints must be none, every or latest, "
+                                   f"got {self.decode_checkpoints!r}") from None
         nspec = self.num_speculative_blocks
         if not isinstance(nspec, int) or isinstance(nspec, bool) or nspec < 0:
             raise InvalidSpecError(f"num_speculative_blocks must be an int >= 0, got {nspec!r}")

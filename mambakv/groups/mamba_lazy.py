@@ -91,6 +91,7 @@ class LazyMambaManager(MambaManager):
         self.spare_may_evict = spare_may_evict
         self.scratch_region = ScratchRegion(block_pool, max_num_seqs, self.num_draft_slots)
         self._writes: list[tuple[str, int, int]] = []
+        self._list_writes = False
         self._tables: dict[str, LazyRequestBlocks]  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ planning
@@ -137,7 +138,7 @@ class LazyMambaManager(MambaManager):
         return n + 1 if num_tokens - num_computed_tokens <= 1 + self.num_draft_slots else n
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_lookahead_tokens: int = 0, *,
-                            num_draft_tokens: int = 0, num_computed_tokens: int | None = None,
+                            num_draft_tokens: int = 0, decode: bool = False, num_computed_tokens: int | None = None,
                             defer_spare: bool = False) -> list[KVCacheBlock]:
         """Prefill: eager align (no scratch). Decode: at the first decode step, eager growth of
         the running block if its slot moves (copy plan) and a new C; later steps only move W to
