@@ -74,3 +74,58 @@ def test_spec_bound():
     assert mamba_spec(64, 3, mode="align_lazy").blocks_per_running_request == 2 + 3
     assert mamba_spec(64, 3, mode="lazy").blocks_per_running_request == 5
     assert mamba_spec(64, 0, mode="align_lazy").blocks_per_running_request == 2
+
+
+def drive_decode(mode: str, nspec: int, lag: int) -> tuple[int, int, list[int]]:
+    """decode_checkpoints `mode` (every / latest), async lag 0 or 1: the same request, every
+    verify accepts 0 drafts. Returns (pinned at the step from 600, most pinned over the steps
+    from 620 .. 660, pinned per step from 630 .. 650)."""
+    coord = coordinator(64, mamba_spec(64, nspec, decode_checkpoints=mode), max_model_len=1024)
+    m = coord.managers[0]
+    req = Request("r", tokens(500))
+    for n in (448, 52):
+        if req.num_computed_tokens:
+            coord.retire("r", req.num_computed_tokens)
+        assert coord.allocate(req, n) is not None
+        req.num_computed_tokens += n
+    req.append_output_token_ids(1)
+    coord.retire("r", 500)
+    in_flight: list[int] = []  # starts of planned steps whose results are not processed
+    settled, outside, inside, per_step = 500, 0, 0, []
+    for c in range(500, 700):
+        start = req.num_computed_tokens
+        assert coord.allocate(req, 1 + nspec, num_draft_tokens=nspec) is not None
+        req.num_computed_tokens += 1 + nspec  # optimistic under async
+        coord.take_copy_plan(), coord.take_zero_plan(), coord.take_checkpoint_writes()
+        in_flight.append(start)
+        held = m.num_held_blocks("r")
+        if settled == 600:
+            outside = held
+        if 620 <= settled <= 660:
+            inside = max(inside, held)
+        if 630 <= settled <= 650:
+            per_step.append(held)
+        while len(in_flight) > lag:
+            in_flight.pop(0)
+            coord.accept_drafts("r", 0)
+            req.num_computed_tokens -= nspec
+            settled += 1
+            req.append_output_token_ids(1)
+            coord.retire("r", settled)
+        coord.check_invariants()
+    coord.free("r")
+    assert coord.block_pool.get_num_free_blocks() == 63
+    return outside, inside, per_step
+
+
+@pytest.mark.parametrize("nspec", [0, 3])
+@pytest.mark.parametrize("lag", [0, 1])
+def test_latest_never_pins_more_than_every(nspec, lag):
+    """Issue 16's hard requirement. Outside a window both hold running + scratch (1 + nspec);
+    inside, every holds the last state at the crossing step and latest holds the spare
+    (2 + nspec at most, each)."""
+    every = drive_decode("every", nspec, lag)
+    latest = drive_decode("latest", nspec, lag)
+    assert every[0] == latest[0] == 1 + nspec
+    assert latest[1] <= every[1] == 2 + nspec
+    assert latest[1] == 2 + nspec
