@@ -192,7 +192,7 @@ class DecodeCheckpointsMixin(DraftsMixin):
     def _publish_spare(self, request: Request, t: MambaTable, num_processed_tokens: int) -> None:
         """A crossed spare, processed and no unresolved step's write target: hash it under
         its boundary's key and free it (it lands at the LRU tail, cached). The request's
-        previous decode checkpoint is evicted if free: a deeper state on its chain exists."""
+        previous decode checkpoint, if free, becomes evict-first: a deeper state on its chain exists."""
         b = t.spare_pos
         if not b or b > num_processed_tokens or any(s.boundary for s in t.decode_steps):
             return
@@ -209,11 +209,29 @@ class DecodeCheckpointsMixin(DraftsMixin):
             pool.cache_full_blocks([spare], [keys[slot]], m.kv_cache_group_id, **fields)
             spares.append(spare)
         pool.free_blocks(spares)
-        old = [blk.block_id for blk, key in t.ckpts if blk.block_hash == key and blk.ref_cnt == 0]
+        old = [blk for blk, key in t.ckpts if blk.block_hash == key and blk.ref_cnt == 0]
         if old:
-            pool.evict_blocks(old)
+            self._evict_first(old)
         t.ckpts = [(blk, keys[slot]) for blk in spares]
         t.has_spare, t.spare_pos = False, 0
+
+    def _evict_first(self, blocks: list[KVCacheBlock]) -> None:
+        """Move free cached `blocks` to the head of the cached part of the free queue (right
+        after the unhashed free blocks, which the pool keeps first): the next eviction takes
+        them, a hit may still revive them. O(unhashed free blocks): once per published decode
+        checkpoint.
+
+            queue  u1 u2 | h1 h2 OLD h3    ->    u1 u2 | OLD h1 h2 h3
+        """
+        q = self.block_pool.free_block_queue
+        head, tail = q.sentinels
+        for b in blocks:
+            q.remove(b)
+        node = head.next_free_block
+        while node is not tail and node is not None and node.block_hash is None:
+            node = node.next_free_block
+        assert node is not None and node.prev_free_block is not None
+        q._link_run(node.prev_free_block, blocks, node)  # the queue's own O(1) splice
 
     def decode_event(self, t: MambaTable) -> int:
         """The next processed count at which ``retire`` must reach this group: while a decode

@@ -8,7 +8,7 @@ scratch, ``P`` spare, ``0`` null)::
     B     4 -> 6              0 R S              R:5 S:6     (B=8 > 6)      1       S -> R, end 6
     C     6 -> 8              0 R S P2           R:7 S:8 P2:8               0       end 7: not crossed, P2 kept
     D     7 -> 9              0 0 R S P2         R:8 S:9 P2:8               1       end 9: crossed -> P2 published (key 1),
-                                                                                    P (key 0) evicted
+                                                                                    P (key 0) evict-first
 """
 
 from __future__ import annotations
@@ -78,7 +78,10 @@ def test_latest_walk():
     keys = group_block_hashes(req, 4)
     assert ids(m, "r") == [0, 0, R, S]
     assert pool.blocks[P2].block_hash == keys[1] and pool.blocks[P2].ref_cnt == 0
-    assert pool.blocks[P].block_hash is None  # the previous decode checkpoint: evicted first
+    # the previous decode checkpoint is evict-first: still cached, first among the cached blocks
+    queue = [b for b in pool.free_block_queue.get_all_free_blocks()]
+    first_cached = next(b for b in queue if b.block_hash is not None)
+    assert first_cached.block_id == P and pool.blocks[P].block_hash == keys[0]
     m.free("r")
     assert pool.get_num_free_blocks() == 15
 
@@ -96,7 +99,7 @@ def test_running_block_advances_in_place(mode):
         assert table[m.table("r").running_slot] == R and R in table and S in table
     assert m.block_pool.get_num_free_blocks() == 15 - 2 - (mode == "latest" and m.table("r").has_spare)
     published = [b for b in m.block_pool.blocks if b.block_hash is not None]
-    assert len(published) == (1 if mode == "latest" else 0)  # latest keeps the deepest: 12 (key 2)
+    assert len(published) == (3 if mode == "latest" else 0)  # latest: 4, 8, 12 (older ones evict-first)
 
 
 def test_in_flight_step_guards_the_spare_and_finish_frees_it_unhashed():
