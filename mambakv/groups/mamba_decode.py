@@ -29,7 +29,9 @@ Rules (B = the next boundary above a lower bound of the step's start):
   lets it evict, a benchmark knob) and record the write target ``(spare, B)``. The window is
   therefore ``B - settled <= (1 + steps in flight) x (nspec + 1)``: ``nspec + 1`` synchronous,
   ``2 (nspec + 1)`` at async lag 1 (issue 16's window), no earlier than a step can write B.
-  No spare free -> B is not tracked.
+  No spare free -> B is not tracked. The spare serves one boundary at a time: while a step
+  in flight targets B, a later step that could reach only the next boundary gets no target
+  (block sizes below ``(1 + lag) x (nspec + 1)`` lose such boundaries, nothing worse).
 * resolve (``accept_drafts`` for a step with drafts, ``retire`` otherwise), in order: the
   step that computed B and settled at or past it crossed into the spare (it holds B). Not
   crossed: the spare is kept (a later step rewrites B).
@@ -125,7 +127,9 @@ class DecodeCheckpointsMixin(DraftsMixin):
             return  # planned already, or the spare holds a crossing waiting to be published
         bs = self.block_size
         boundary = (step.lb // bs + 1) * bs
-        if boundary > step.end or (not t.has_spare and not self._take_spare(t)):
+        if boundary > step.end or any(s.boundary not in (0, boundary) for s in t.decode_steps):
+            return  # out of reach, or the spare serves an earlier boundary of a step in flight
+        if not t.has_spare and not self._take_spare(t):
             return
         step.boundary = boundary
         for col, m in zip(t.columns, self._column_managers):

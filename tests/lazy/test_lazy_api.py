@@ -71,11 +71,18 @@ def test_bad_drafts_raise_and_change_nothing():
     coord.check_invariants()
 
 
-def test_cli_mamba_policy(capsys):
-    for policy in ("eager", "lazy"):
-        assert main(["chat", "--conversations", "3", "--turns", "2", "--num-speculative-tokens", "3",
-                     "--in-flight", "1", "--max-num-seqs", "4", "--mamba-policy", policy, "--json", "--quiet"]) == 0
+def test_cli_decode_checkpoints_and_the_mamba_policy_alias(capsys):
+    chat = ["chat", "--conversations", "3", "--turns", "2", "--num-speculative-tokens", "3", "--in-flight", "1",
+            "--max-num-seqs", "4", "--json", "--quiet"]
+    for flags, policy in ((["--mamba-policy", "eager"], "every"), (["--mamba-policy", "lazy"], "latest"),
+                          (["--mamba-policy", "lazy-evict"], "latest-evict"), (["--decode-checkpoints", "none"], "none"),
+                          (["--decode-checkpoints", "latest", "--mamba-policy", "lazy"], "latest"), ([], "every")):
+        assert main(chat + flags) == 0
         d = json.loads(capsys.readouterr().out)
         assert d["mamba_policy"] == policy and d["blocks_returned"] and d["finished"] == 6
+    with pytest.raises(SystemExit, match="means --decode-checkpoints every"):
+        main(chat + ["--decode-checkpoints", "latest", "--mamba-policy", "eager"])
     assert main(["chat", "--mamba-policy", "bogus"]) == 2  # argparse refuses an unknown policy (one line)
     assert "invalid choice: 'bogus'" in capsys.readouterr().err
+    assert main(["chat", "--decode-checkpoints", "some"]) == 2
+    assert "invalid choice: 'some'" in capsys.readouterr().err
