@@ -41,7 +41,6 @@ from mambakv.core.spec import (
 )
 from mambakv.groups import (
     FullAttentionManager,
-    LazyMambaManager,
     MambaManager,
     SingleTypeKVCacheManager,
     SlidingWindowManager,
@@ -67,7 +66,7 @@ __all__ = [
     "AllBlocksCleared", "BlockNotFreeError", "BlockPool", "BlockRemoved", "BlockStored", "CopyBackend", "DoubleFreeError",
     "FreeBlockQueue", "FullAttentionManager", "FullAttentionSpec", "HashBlockSizeMismatchError",
     "InvalidBlockError", "InvalidCopyPlanError", "InvalidDraftCountError", "InvalidRequestError", "InvalidSpecError", "InvalidTokenCountError", "KVCacheBlock", "KVCacheBlocks",
-    "DecodeCheckpoints", "KVCacheConfig", "KVCacheCoordinator", "KVCacheGroupSpec", "KVCacheSpec", "LazyMambaManager", "MambaCacheMode",
+    "DecodeCheckpoints", "KVCacheConfig", "KVCacheCoordinator", "KVCacheGroupSpec", "KVCacheSpec", "MambaCacheMode",
     "MambaKVError",
     "MambaManager", "MambaSpec", "MambaStatePool", "ModelConfigError", "OutOfBlocksError", "PrefixCacheStats",
     "Request", "SingleTypeKVCacheManager", "SlidingWindowManager", "SlidingWindowSpec", "StaleCacheHitError", "StatePlan",

@@ -32,7 +32,7 @@ from mambakv.core.errors import (
 )
 from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheConfig
-from mambakv.groups import LazyMambaManager, MambaManager, SingleTypeKVCacheManager, make_manager
+from mambakv.groups import MambaManager, SingleTypeKVCacheManager, make_manager
 from mambakv.hits import PrefixCacheStats, PrefixHitFinder
 from mambakv.plans import KVCacheBlocks
 from mambakv.request_state import RequestState, check_computed
@@ -44,7 +44,7 @@ def share_identical_policies(managers: Sequence[SingleTypeKVCacheManager]) -> tu
     """Let Mamba groups with an identical spec share one policy (the first one's): their
     tables evolve in lockstep, so per-request work is done once for every block column (a
     Qwen3-Next step does it once, not three times). Returns the managers that run a policy,
-    config order. Attention groups and lazy Mamba groups keep one policy each."""
+    config order. Attention groups keep one policy each."""
     leaders: dict[object, list[MambaManager]] = {}
     for m in managers:
         if type(m) is MambaManager:
@@ -67,10 +67,9 @@ class KVCacheCoordinator(CoordinatorQueries):
         hash_block_size: tokens per request hash block; None = the smallest group block size.
             It must divide every group's block size.
         enable_kv_cache_events: record KV events in the pool (``block_pool.take_events()``).
-        max_num_seqs: most running requests; sizes each lazy Mamba group's scratch region
-            (``max_num_seqs x nspec`` blocks reserved from the pool; unused otherwise).
-        lazy_spare_may_evict: lazy Mamba groups may evict a cached block for a spare (the
-            "lazy-evict" benchmark policy; the default never does).
+        max_num_seqs: accepted for 0.x callers, unused (nothing is reserved per request slot).
+        lazy_spare_may_evict: Mamba groups with ``decode_checkpoints="latest"`` may evict a
+            cached block for a spare (a benchmark knob; the default never does).
 
     Raises:
         HashBlockSizeMismatchError: `hash_block_size` does not divide a group's block size.
@@ -98,8 +97,6 @@ class KVCacheCoordinator(CoordinatorQueries):
             for i, g in enumerate(groups)
         )
         self.mamba_managers = tuple(m for m in self.managers if isinstance(m, MambaManager))
-        #: ALIGN_LAZY groups: told the computed tokens, and given spares last
-        self.lazy_managers = tuple(m for m in self.managers if isinstance(m, LazyMambaManager))
         #: the managers that run a policy (groups with one Mamba spec share the first one's)
         self.policies: tuple[SingleTypeKVCacheManager, ...] = share_identical_policies(self.managers)
         self._columns = tuple(m.column_ids for m in self.policies)
@@ -107,8 +104,7 @@ class KVCacheCoordinator(CoordinatorQueries):
         self._attention = tuple(m for m in self.policies if m.publishes_at_allocation)
         #: most draft tokens one step may verify without a group refusing it (each eager Mamba
         #: group checks its own rule above this); no limit without Mamba groups
-        self._max_drafts = min((m.num_speculative_blocks for m in self.mamba_managers
-                                if not isinstance(m, LazyMambaManager)), default=1 << 62)
+        self._max_drafts = min((m.num_speculative_blocks for m in self.mamba_managers), default=1 << 62)
         self._no_hits: tuple[tuple[()], ...] = ((),) * len(self.managers)
         self._empty_blocks = KVCacheBlocks(tuple([] for _ in self.managers))
         #: hits must end on a multiple of every group's block size
@@ -181,7 +177,7 @@ class KVCacheCoordinator(CoordinatorQueries):
             num_lookahead_tokens = self.max_model_len - num_tokens
         # The quiet step: no group needs a block, publishes or records anything.
         if (live is not None and num_drafts == 0 and num_tokens <= live.quiet_tokens
-                and num_tokens + num_lookahead_tokens <= live.num_covered and not self.lazy_managers):
+                and num_tokens + num_lookahead_tokens <= live.num_covered):
             if num_tokens > live.num_scheduled:
                 live.num_scheduled = num_tokens
             return self._empty_blocks
@@ -203,11 +199,8 @@ class KVCacheCoordinator(CoordinatorQueries):
             for m in self.mamba_managers:  # the group whose rule it breaks raises
                 m.check_step(num_tokens, num_drafts)
         policies, columns = self.policies, self._columns
-        for lazy in self.lazy_managers:
-            if not lazy.check_lazy_step(rid, num_tokens, num_computed, num_drafts):
-                return None
         # count
-        if live is None or num_tokens + num_lookahead_tokens > live.num_covered or self.lazy_managers:
+        if live is None or num_tokens + num_lookahead_tokens > live.num_covered:
             need = 0
             for p, cols in zip(policies, columns):
                 need += p.count_columns(rid, num_tokens, [hits[g] for g in cols], num_computed, num_lookahead_tokens)
@@ -227,12 +220,8 @@ class KVCacheCoordinator(CoordinatorQueries):
         new_blocks: list[list[KVCacheBlock]] = [[] for _ in self.managers]
         any_new = False
         for p, cols in zip(policies, columns):
-            if isinstance(p, LazyMambaManager):
-                per_column = [p.allocate_new_blocks(rid, num_tokens, num_lookahead_tokens, num_draft_tokens=num_drafts,
-                                                    num_computed_tokens=num_computed, defer_spare=True)]
-            else:
-                per_column = p.allocate_columns(rid, num_tokens, num_lookahead_tokens, num_drafts, num_computed_tokens=num_computed,
-                                                decode=num_computed >= request.num_prompt_tokens)
+            per_column = p.allocate_columns(rid, num_tokens, num_lookahead_tokens, num_drafts, num_computed_tokens=num_computed,
+                                            decode=num_computed >= request.num_prompt_tokens)
             if per_column[0]:
                 any_new = True
                 self._new_pending = True
@@ -301,10 +290,6 @@ class KVCacheCoordinator(CoordinatorQueries):
         if num_processed_tokens < live.retire_quiet:
             return
         policies, tables = self.policies, live.tables
-        if self.lazy_managers:  # lazy groups settle decode steps at every retire, inside their own calls
-            self._retire_lazy(request, num_processed_tokens)
-            live.refresh(policies)
-            return
         dead = [m.dead_slots(t, num_processed_tokens) for m, t in zip(policies, tables)]  # raises first
         if self.enable_caching:  # publish, then retire: a state published and retired lands cached
             for m in policies:
@@ -319,17 +304,6 @@ class KVCacheCoordinator(CoordinatorQueries):
                 quiet = nxt
         live.retire_quiet = quiet
         live.refresh(policies)
-
-    def _retire_lazy(self, request: Request, num_processed_tokens: int) -> None:
-        """``retire`` with ALIGN_LAZY groups: each group's own publish and retire calls."""
-        rid = request.request_id
-        for m, t in zip(self.policies, self._live[rid].tables):
-            m.dead_slots(t, num_processed_tokens)  # raises before anything changes
-        if self.enable_caching:
-            for m in self.policies:
-                m.cache_blocks(request, num_processed_tokens)
-        for m in self.policies:
-            m.remove_skipped_blocks(rid, num_processed_tokens)
 
     def accept_drafts(self, request_id: str, num_accepted: int) -> dict[int, list[tuple[int, int]]]:
         """After a verify step: per Mamba group, the copies (accepted scratch -> running

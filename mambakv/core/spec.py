@@ -56,30 +56,30 @@ def dtype_size(dtype: Any) -> int:
     return DTYPE_SIZES[dtype_name(dtype)]
 
 
+#: the removed 0.x ALIGN_LAZY mode's names (read as align + decode_checkpoints "latest")
+LAZY_MODE_NAMES = ("align_lazy", "lazy")
+
+
 class MambaCacheMode(str, enum.Enum):
     """How a Mamba group keeps states.
 
     * ``NONE``: no prefix caching; a request holds ``1 + num_speculative_blocks`` blocks.
     * ``ALIGN``: states checkpointed at block boundaries (DESIGN.md 5.1); a running request
       holds at most ``2 + num_speculative_blocks`` (+ one per step in flight).
-    * ``ALIGN_LAZY``: prefill as ``ALIGN`` (no scratch in the table); in decode a working
-      block and one private checkpoint (+ one spare near a boundary); draft scratch rows come
-      from a region reserved once per group (``mambakv/managers/mamba_lazy.py``).
-
-    Strings ``"none"`` / ``"align"`` / ``"align_lazy"`` (or ``"lazy"``) are accepted wherever a
-    mode is taken.
+    Strings ``"none"`` / ``"align"`` are accepted wherever a mode is taken. The 0.x mode
+    ``"align_lazy"`` (or ``"lazy"``) was removed in issue 16: ``MambaSpec`` reads it as
+    ``mode="align", decode_checkpoints="latest"``; elsewhere it means ``ALIGN``.
     """
 
     NONE = "none"
     ALIGN = "align"
-    ALIGN_LAZY = "align_lazy"
 
     @classmethod
     def _missing_(cls, value: object) -> MambaCacheMode | None:
         if isinstance(value, str):
             name = value.lower()
-            if name == "lazy":
-                return cls.ALIGN_LAZY
+            if name in LAZY_MODE_NAMES:
+                return cls.ALIGN
             for member in cls:
                 if member.value == name:
                     return member
@@ -228,6 +228,8 @@ class MambaSpec(KVCacheSpec):
             raise InvalidSpecError(f"every state dimension must be positive, got {shapes}")
         object.__setattr__(self, "shapes", shapes)
         object.__setattr__(self, "dtypes", tuple(dtype_name(d) for d in self.dtypes))
+        if isinstance(self.mode, str) and self.mode.lower() in LAZY_MODE_NAMES:
+            object.__setattr__(self, "decode_checkpoints", DecodeCheckpoints.LATEST)  # the 0.x lazy mode
         try:
             object.__setattr__(self, "mode", MambaCacheMode(self.mode))
         except ValueError:
@@ -240,11 +242,6 @@ class MambaSpec(KVCacheSpec):
         nspec = self.num_speculative_blocks
         if not isinstance(nspec, int) or isinstance(nspec, bool) or nspec < 0:
             raise InvalidSpecError(f"num_speculative_blocks must be an int >= 0, got {nspec!r}")
-        if self.mode is MambaCacheMode.ALIGN_LAZY and self.block_size < 2 * (nspec + 1):
-            # a boundary must be at most once inside one crossing window (mamba_lazy.py)
-            raise InvalidSpecError(
-                f"align_lazy needs block_size >= 2 * (num_speculative_blocks + 1) = {2 * (nspec + 1)}, "
-                f"got {self.block_size}")
         if self.page_size_padded is not None and self.page_size_padded < self.raw_page_size_bytes:
             raise InvalidSpecError(
                 f"page_size_padded {self.page_size_padded} < raw page {self.raw_page_size_bytes}"
@@ -265,14 +262,10 @@ class MambaSpec(KVCacheSpec):
     def blocks_per_running_request(self) -> int:
         """Most state blocks one running request pins with no step in flight:
         ``2 + nspec`` in align mode (last state, running state, scratch), ``1 + nspec`` in NONE.
-        Each step in flight adds one in align mode (DESIGN.md 5.1, the bound).
-
-        ``ALIGN_LAZY``: 2 table blocks a request must be able to get (prefill: last + running
-        state; decode: working block + private checkpoint), + ``nspec`` scratch rows, which are
-        lent from the group's reserved region (``max_num_seqs x nspec`` blocks taken from the
-        pool once) rather than allocated per request. Inside the crossing window a request may
-        also hold one spare, taken only from blocks free without eviction, never required."""
-        base = 2 if self.mode in (MambaCacheMode.ALIGN, MambaCacheMode.ALIGN_LAZY) else 1
+        Each step in flight adds one in align mode (DESIGN.md 5.1, the bound). The same for
+        every ``decode_checkpoints`` policy: ``latest``'s spare replaces, near a boundary, the
+        last state that ``every`` holds there, and is never required."""
+        base = 2 if self.mode is MambaCacheMode.ALIGN else 1
         return base + self.num_speculative_blocks
 
     def max_memory_usage_bytes(self, max_model_len: int) -> int:

@@ -50,7 +50,7 @@ Pinned blocks per running request (block 64, sync, 1 token per step; test_pinned
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.events import stored_event_fields
@@ -61,13 +61,35 @@ from mambakv.groups.drafts import DecodeStep, DraftsMixin, MambaTable
 if TYPE_CHECKING:
     from mambakv.groups.mamba import MambaManager
 
-__all__ = ["DecodeCheckpointsMixin"]
+__all__ = ["DecodeCheckpointsMixin", "StatePlan"]
+
+
+class StatePlan(NamedTuple):
+    """Where a request's states live now (``get_state_plan``), for kernels that prefer named
+    blocks to the table. ``take_checkpoint_writes`` gives the same blocks per planned step.
+
+    Attributes:
+        working_block_id: the running state block.
+        checkpoint_block_id, checkpoint_position: 0 (the 0.x ALIGN_LAZY private checkpoint is
+            gone; kept so that 0.x callers still unpack the tuple).
+        spare_block_id: ``latest``'s spare, 0 when none.
+        scratch_block_ids: draft states, ``scratch_block_ids[k]`` = state after draft ``k + 1``.
+        write_target: ``(spare id, boundary)`` of the latest planned step with a target, or None.
+    """
+
+    working_block_id: int
+    checkpoint_block_id: int
+    checkpoint_position: int
+    spare_block_id: int
+    scratch_block_ids: tuple[int, ...]
+    write_target: tuple[int, int] | None
 
 
 class DecodeCheckpointsMixin(DraftsMixin):
     """The ``latest`` / ``none`` decode half of MambaManager (see the module docstring)."""
 
     _column_managers: tuple[MambaManager, ...]
+    num_speculative_blocks: int
     #: decode steps advance the running block in place (``latest`` / ``none`` in align mode)
     _decode_in_place: bool
     #: ``latest`` with caching: decode boundaries get spares
@@ -76,7 +98,7 @@ class DecodeCheckpointsMixin(DraftsMixin):
     spare_may_evict: bool
     #: ``(request id, block id, position)`` the planned forwards write, since the last take
     _writes: list[tuple[str, int, int]]
-    #: list every write of a planned step in ``_writes`` (off for the ALIGN_LAZY subclass)
+    #: list every write of a planned step in ``_writes`` (a subclass may turn it off)
     _list_writes: bool
 
     # ------------------------------------------------------------------ planning
@@ -236,6 +258,17 @@ class DecodeCheckpointsMixin(DraftsMixin):
             node = node.next_free_block
         assert node is not None and node.prev_free_block is not None
         q._link_run(node.prev_free_block, blocks, node)  # the queue's own O(1) splice
+
+    def get_state_plan(self, request_id: str) -> StatePlan | None:
+        """Running, scratch and spare block ids of the request (None before it holds a state)."""
+        t = self._tables.get(request_id)
+        if t is None or t.running_slot < 0:
+            return None
+        blocks, r = t.blocks, t.running_slot
+        spare = blocks[-1].block_id if t.has_spare else 0
+        target = next(((spare, s.boundary) for s in reversed(t.decode_steps) if s.boundary), None) if spare else None
+        scratch = tuple(b.block_id for b in blocks[r + 1 : r + 1 + self.num_speculative_blocks])
+        return StatePlan(blocks[r].block_id, 0, 0, spare, scratch, target)
 
     def decode_event(self, t: MambaTable) -> int:
         """The next processed count at which ``retire`` must reach this group: while a decode

@@ -128,6 +128,8 @@ def build_kv_cache_config(model: HybridModel | str, memory_bytes: int, *,
         InvalidSpecError: fewer than 2 blocks fit in ``memory_bytes``.
     """
     model = load_model(model)
+    if isinstance(mamba_mode, str) and mamba_mode.lower() in ("align_lazy", "lazy"):
+        decode_checkpoints = "latest"  # the removed 0.x lazy mode
     mode = MambaCacheMode(mamba_mode)
     plan = plan_pages(model, tp_size=tp_size, ssm_dtype=ssm_dtype,
                       mamba_block_size=mamba_block_size)

@@ -15,7 +15,7 @@ def group_kind(manager: object) -> str:
     """``"full_attention"``, ``"sliding_window"`` or ``"mamba"`` (the manager's class)."""
     name = type(manager).__name__
     return {"FullAttentionManager": "full_attention", "SlidingWindowManager": "sliding_window",
-            "MambaManager": "mamba", "LazyMambaManager": "mamba"}.get(name, name)
+            "MambaManager": "mamba"}.get(name, name)
 
 
 def group_usage(coord: KVCacheCoordinator) -> list[int]:

@@ -1,18 +1,16 @@
-"""Blocks pinned per running request, eager ALIGN vs ALIGN_LAZY, nspec 0 and 3 (issue 10).
+"""Blocks pinned per running request, decode_checkpoints every vs latest, nspec 0 and 3
+(issue 16's hard requirement: latest never pins more than every).
 
-One request (block 64, 500-token prompt: chunks end at 448 and 500), synchronous
-scheduling, every verify accepts 0 drafts, so decode advances one token per step: the step
-from c computes c + 1 .. c + 1 + K. After each allocate, count the request's non-null table
-blocks (prefix-cache blocks it pins) and the scratch rows it borrows.
+One request (block 64, 500-token prompt: chunks end at 448 and 500), every verify accepts 0
+drafts, so decode advances one token per step: the step from c computes c + 1 .. c + 1 + K.
+After each allocate, count the request's non-null table blocks (the pool blocks it pins).
+Outside a window: the step from 600 (next boundary 640). Inside: the most over 620 .. 660.
 
-Outside the window: the step from c = 600 (next boundary 640, 640 - 600 > 2 (K + 1)).
-Inside: the most over the steps c = 620 .. 660 (around the boundary 640).
-
-    mode   K  outside  inside  why (inside)
-    eager  0  1        2       running, + the last state at the step whose slot moves (641)
-    eager  3  4        5       running + 3 scratch, + the last state from the step 637 (641)
-    lazy   0  2        3       W + C, + the spare S while 640 - p <= 2
-    lazy   3  2        3       W + C, + S while 640 - p <= 8; scratch rows: 3, lent
+    policy  K  outside  inside  why (inside)
+    every   0  1        2       running, + the last state at the step whose slot moves
+    every   3  4        5       running + 3 scratch, + the last state at the crossing
+    latest  0  1        2       running, + the spare while a step may reach 640
+    latest  3  4        5       running + 3 scratch, + the spare
 """
 
 from __future__ import annotations
@@ -24,56 +22,10 @@ from tests.coord_helpers import coordinator, tokens
 from tests.helpers import mamba_spec
 
 
-def drive(mode: str, nspec: int) -> tuple[int, int, int, int]:
-    """Returns (pinned outside, most pinned inside, scratch rows lent, blocks reserved)."""
-    coord = coordinator(64, mamba_spec(64, nspec, mode=mode), max_model_len=1024, max_num_seqs=4)
-    m = coord.managers[0]
-    req = Request("r", tokens(500))
-    for n in (448, 52):  # prefill, retire to the computed tokens before each later chunk
-        if req.num_computed_tokens:
-            coord.retire("r", req.num_computed_tokens)
-        assert coord.allocate(req, n) is not None
-        req.num_computed_tokens += n
-    req.append_output_token_ids(1)
-    coord.retire("r", 500)
-    outside, inside = None, 0
-    for c in range(500, 700):
-        assert coord.allocate(req, 1 + nspec) is not None  # 1 real token + nspec drafts
-        req.num_computed_tokens += 1 + nspec
-        coord.take_copy_plan(), coord.take_zero_plan(), coord.take_checkpoint_writes()
-        held = m.num_held_blocks("r")
-        if c == 600:
-            outside = held
-        if 620 <= c <= 660:
-            inside = max(inside, held)
-        plan = coord.get_state_plan("r").get(0)
-        lent = len(plan.scratch_block_ids) if plan else nspec
-        coord.accept_drafts("r", 0)
-        req.num_computed_tokens -= nspec
-        req.append_output_token_ids(1)
-        coord.retire("r", c + 1)
-        coord.check_invariants()
-    reserved = coord.block_pool.num_reserved_blocks
-    coord.free("r")
-    coord.check_invariants()
-    assert coord.block_pool.get_num_free_blocks() == 63 - reserved  # nothing leaked
-    return outside, inside, lent, reserved
-
-
-@pytest.mark.parametrize("mode,nspec,expected", [
-    ("align", 0, (1, 2, 0, 0)),
-    ("align", 3, (4, 5, 3, 0)),        # eager's scratch is in the table (lent = the table's 3)
-    ("align_lazy", 0, (2, 3, 0, 0)),
-    ("align_lazy", 3, (2, 3, 3, 12)),  # max_num_seqs 4 x 3 rows reserved once, for the group
-])
-def test_pinned_blocks_per_running_request(mode, nspec, expected):
-    assert drive(mode, nspec) == expected
-
-
 def test_spec_bound():
-    assert mamba_spec(64, 3, mode="align_lazy").blocks_per_running_request == 2 + 3
-    assert mamba_spec(64, 3, mode="lazy").blocks_per_running_request == 5
-    assert mamba_spec(64, 0, mode="align_lazy").blocks_per_running_request == 2
+    assert mamba_spec(64, 3).blocks_per_running_request == 2 + 3
+    assert mamba_spec(64, 3, decode_checkpoints="latest").blocks_per_running_request == 5
+    assert mamba_spec(64, 0, mode="lazy").blocks_per_running_request == 2  # the 0.x name: latest
 
 
 def drive_decode(mode: str, nspec: int, lag: int) -> tuple[int, int, list[int]]:
