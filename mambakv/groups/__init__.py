@@ -15,7 +15,7 @@ from mambakv.groups.base import (
 )
 from mambakv.groups.kinds import GroupKind
 from mambakv.groups.mamba import AlignStep, MambaManager, MambaRequestBlocks, MambaTable, running_slot
-from mambakv.groups.mamba_decode import StatePlan
+from mambakv.groups.mamba_queries import StatePlan
 
 _MANAGER_FOR_KIND: dict[GroupKind, type[SingleTypeKVCacheManager]] = {
     GroupKind.FULL_ATTENTION: FullAttentionManager,

@@ -20,6 +20,7 @@ The concerns live in one module each:
                        (every / latest / none), spares, checkpoint writes
 ``mamba_columns.py``   one policy over several block columns (identical groups)
 ``drafts.py``          spec decode: verify steps, ``accept_drafts``, retirement rule
+``mamba_queries.py``   snapshot, thresholds, state block ids, the hit rule, invariants
 this module            the manager: counting, allocation dispatch, publication,
                        retirement, plans, queries
 =====================  ===========================================================
@@ -35,14 +36,13 @@ from mambakv.core.block_pool import BlockPool
 from mambakv.core.errors import DoubleFreeError, InvalidDraftCountError, InvalidTokenCountError
 from mambakv.core.events import stored_event_fields
 from mambakv.core.request import Request
-from mambakv.core.spec import DecodeCheckpoints, KVCacheSpec, MambaCacheMode, MambaSpec
+from mambakv.core.spec import DecodeCheckpoints, MambaCacheMode, MambaSpec
 from mambakv.groups.base import NEVER, BlockTable, group_block_hashes, num_evictable
 from mambakv.groups.drafts import MambaTable
 from mambakv.groups.kinds import GroupKind
 from mambakv.groups.mamba_columns import ColumnsMixin
-from mambakv.groups.mamba_decode import DecodeCheckpointsMixin
-from mambakv.groups.mamba_steps import AlignStep, AlignStepsMixin, running_slot
-from mambakv.plans import TableView
+from mambakv.groups.mamba_queries import QueriesMixin
+from mambakv.groups.mamba_steps import AlignStep, running_slot
 
 __all__ = ["AlignStep", "MambaManager", "MambaRequestBlocks", "MambaTable", "running_slot"]
 
@@ -50,7 +50,7 @@ __all__ = ["AlignStep", "MambaManager", "MambaRequestBlocks", "MambaTable", "run
 MambaRequestBlocks = MambaTable
 
 
-class MambaManager(AlignStepsMixin, ColumnsMixin, DecodeCheckpointsMixin):
+class MambaManager(ColumnsMixin, QueriesMixin):
     """State blocks of one Mamba group (one block = one whole state of every layer).
 
     Mode NONE: a request holds ``1 + nspec`` blocks (running state + scratch) whatever its
@@ -181,77 +181,6 @@ class MambaManager(AlignStepsMixin, ColumnsMixin, DecodeCheckpointsMixin):
             self._list_step_writes(request_id, t, num_tokens, num_draft_tokens)
         return out
 
-    def _align_columns(self, request_id: str, t: MambaTable, num_tokens: int,
-                       num_draft_tokens: int) -> list[list[KVCacheBlock]]:
-        """Prefill, and every decode step under ``every``: the AlignStep cases."""
-        running = -(num_tokens // -self.block_size) - 1 if self._align else 0
-        if t.running_slot < 0:
-            return self._start(t, running, num_tokens, num_draft_tokens)
-        if running > t.running_slot:
-            return self._grow(t, running, num_tokens, num_draft_tokens)
-        case = AlignStep.IN_PLACE
-        if running < t.running_slot:
-            if not t.had_drafts:
-                t.last_step = AlignStep.COVERED  # vllm-ascend #16329: a no-op, not a crash
-                return self._no_new
-            # Block 2, 3 computed, 1 + 3 drafts: running slot 3; 0 accepted; the next step from
-            # 4 reaches slot 2 only, but the state at 4 is in slot 3.
-            case, running = AlignStep.BEHIND, t.running_slot
-        self._check_writable(request_id, t, running, num_tokens)
-        self._record_step(t, running, num_tokens, num_draft_tokens, case)
-        return self._no_new
-
-    def _check_writable(self, request_id: str, t: MambaTable, running: int, num_tokens: int) -> None:
-        if t.blocks[running].block_hash is not None:
-            raise InvalidTokenCountError(
-                f"request {request_id!r}: a step to {num_tokens} tokens would rewrite the published state at slot "
-                f"{running} (another request may hold it as a hit)")
-
-    def _decode_columns(self, request_id: str, t: MambaTable, num_tokens: int, drafts: int,
-                        num_computed: int) -> list[list[KVCacheBlock]]:
-        """A decode step under latest / none: the running block advances in place (ADVANCE),
-        except when it holds a boundary state that is (to be) published: the first decode step
-        after a chunk that ended on a boundary grows once, as in every. The running block is
-        never tagged."""
-        running = -(num_tokens // -self.block_size) - 1
-        r = t.running_slot
-        if r < 0:
-            out = self._start(t, running, num_tokens, drafts)
-        elif running > r and (r in t.positions or t.blocks[r].block_hash is not None):
-            out = self._grow(t, running, num_tokens, drafts)
-        else:
-            out = self._no_new
-            case = AlignStep.IN_PLACE
-            if running > r:
-                self._move_running(t, running)
-                case = AlignStep.ADVANCE
-            elif running < r:
-                case, running = AlignStep.BEHIND, r
-            self._check_writable(request_id, t, running, num_tokens)
-            self._record_step(t, running, num_tokens, drafts, case)
-        if t.positions:
-            t.positions.pop(t.running_slot, None)
-        if self._spares:
-            self._record_decode(t, num_tokens, drafts, num_computed)
-        t.in_decode = True
-        return out
-
-    # ------------------------------------------------------------------ plans
-    def take_copy_plan(self) -> list[tuple[int, int]]:
-        """``(src, dst)`` block-id pairs to copy before the next forward (last state or hit
-        state -> running block), accumulated since the last call."""
-        plan, self._copy_plan = self._copy_plan, []
-        return plan
-
-    def take_zero_plan(self) -> list[int]:
-        """Running blocks that start without initial state, since the last call."""
-        plan, self._zero_plan = self._zero_plan, []
-        return plan
-
-    def pending_plan(self) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
-        """``(copies, zeros)`` not taken yet, read-only (drains nothing)."""
-        return tuple(self._copy_plan), tuple(self._zero_plan)
-
     # ------------------------------------------------------------------ publication
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Publish the states that are settled: a block whose tagged position is at most
@@ -371,75 +300,3 @@ class MambaManager(AlignStepsMixin, ColumnsMixin, DecodeCheckpointsMixin):
         if need > self.block_pool.free_block_queue.num_free_blocks:
             return None
         return self.allocate_columns(request_id, num_tokens, 0, num_draft_tokens)[0]
-
-    # ------------------------------------------------------------------ queries
-    def describe(self, request_id: str) -> TableView | None:
-        """A read-only snapshot of the request's table, with the align-mode fields."""
-        t = self._tables.get(request_id)
-        if t is None:
-            return None
-        return TableView(self.kv_cache_group_id, tuple(b.block_id for b in t.blocks), t.num_cached_blocks,
-                         t.retired_below, t.running_slot, t.num_tokens, tuple(sorted(t.positions.items())),
-                         tuple(t.verify_steps), tuple(t.verified), t.had_drafts)
-
-    def thresholds(self, table: BlockTable) -> tuple[int, int]:
-        """Covered: up to the running slot's boundary (``num_covered_tokens``). Quiet: steps
-        strictly inside the running slot with no step awaiting ``accept_drafts`` only advance
-        the state in place (nothing to tag: the boundary itself is excluded)."""
-        t: MambaTable = table  # type: ignore[assignment]
-        if t.running_slot < 0:
-            return 0, 0
-        if not self._align:
-            return NEVER, 0 if t.verify_steps else NEVER
-        covered = (t.running_slot + 1) * self.block_size
-        if t.verify_steps:
-            return covered, 0
-        return covered, self.decode_quiet(t, covered) if t.in_decode else covered - 1
-
-    def get_state_block_ids(self, request_id: str) -> list[int]:
-        """Block ids of the request's real states (last + running), scratch excluded: what
-        an engine saves or offloads for the request."""
-        t = self._tables.get(request_id)
-        if t is None:
-            return []
-        end = t.running_slot + 1 if t.running_slot >= 0 else len(t.blocks)
-        return [b.block_id for b in t.blocks[:end] if not b.is_null]
-
-    def num_held_blocks(self, request_id: str) -> int:
-        """Non-null blocks in the request's table."""
-        t = self._tables.get(request_id)
-        return 0 if t is None else sum(1 for b in t.blocks if not b.is_null)
-
-    @classmethod
-    def _find_hit(cls, block_hashes: Sequence[bytes], max_length: int, kv_cache_group_ids: Sequence[int],
-                  block_pool: BlockPool, kv_cache_spec: KVCacheSpec,
-                  alignment_tokens: int) -> tuple[list[KVCacheBlock], ...]:
-        """The rightmost cached state whose end is aligned: ``[null, ..., null, state]``."""
-        if not isinstance(kv_cache_spec, MambaSpec) or kv_cache_spec.mode is MambaCacheMode.NONE:
-            return tuple([] for _ in kv_cache_group_ids)
-        bs = kv_cache_spec.block_size
-        get = block_pool.get_cached_block
-        for i in range(min(max_length // bs, len(block_hashes)) - 1, -1, -1):
-            if ((i + 1) * bs) % alignment_tokens:
-                continue
-            cached = get(block_hashes[i], kv_cache_group_ids)
-            if cached is not None:
-                return tuple([block_pool.null_block] * i + [c] for c in cached)
-        return tuple([] for _ in kv_cache_group_ids)
-
-    def check_invariants(self) -> None:
-        """Base checks, plus: scratch blocks have ref count 1 and no hash; the running block
-        is real and unshared; position tags lie within the table."""
-        super().check_invariants()
-        null = self.null_block
-        for rid, t in self._tables.items():
-            if t.running_slot < 0:
-                continue
-            r = t.running_slot
-            assert r < len(t.blocks) and t.blocks[r] is not null, f"{rid}: running slot {r} null"
-            for b in t.blocks[r + 1 :]:
-                assert b is not null and b.ref_cnt == 1 and b.block_hash is None, f"{rid}: bad scratch {b}"
-            assert all(0 <= s < len(t.blocks) for s in t.positions), f"{rid}: tag outside table"
-            if t.in_decode:  # latest / none: [0 .. R S .. S (P)], the running block never tagged
-                assert len(t.blocks) == r + 1 + self.num_speculative_blocks + t.has_spare, f"{rid}: decode layout"
-                assert r not in t.positions and (t.has_spare or not t.spare_pos), f"{rid}: decode tags"

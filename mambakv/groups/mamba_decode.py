@@ -50,42 +50,22 @@ Pinned blocks per running request (block 64, sync, 1 token per step; test_pinned
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.events import stored_event_fields
 from mambakv.core.request import Request
 from mambakv.groups.base import group_block_hashes
-from mambakv.groups.drafts import DecodeStep, DraftsMixin, MambaTable
+from mambakv.groups.drafts import DecodeStep, MambaTable
+from mambakv.groups.mamba_steps import AlignStep, AlignStepsMixin
 
 if TYPE_CHECKING:
     from mambakv.groups.mamba import MambaManager
 
-__all__ = ["DecodeCheckpointsMixin", "StatePlan"]
+__all__ = ["DecodeCheckpointsMixin"]
 
 
-class StatePlan(NamedTuple):
-    """Where a request's states live now (``get_state_plan``), for kernels that prefer named
-    blocks to the table. ``take_checkpoint_writes`` gives the same blocks per planned step.
-
-    Attributes:
-        working_block_id: the running state block.
-        checkpoint_block_id, checkpoint_position: 0 (the 0.x ALIGN_LAZY private checkpoint is
-            gone; kept so that 0.x callers still unpack the tuple).
-        spare_block_id: ``latest``'s spare, 0 when none.
-        scratch_block_ids: draft states, ``scratch_block_ids[k]`` = state after draft ``k + 1``.
-        write_target: ``(spare id, boundary)`` of the latest planned step with a target, or None.
-    """
-
-    working_block_id: int
-    checkpoint_block_id: int
-    checkpoint_position: int
-    spare_block_id: int
-    scratch_block_ids: tuple[int, ...]
-    write_target: tuple[int, int] | None
-
-
-class DecodeCheckpointsMixin(DraftsMixin):
+class DecodeCheckpointsMixin(AlignStepsMixin):
     """The ``latest`` / ``none`` decode half of MambaManager (see the module docstring)."""
 
     _column_managers: tuple[MambaManager, ...]
@@ -114,6 +94,35 @@ class DecodeCheckpointsMixin(DraftsMixin):
             del col[old:]
             col.extend([null] * (running - old))
             col.extend(tail)
+
+    def _decode_columns(self, request_id: str, t: MambaTable, num_tokens: int, drafts: int,
+                        num_computed: int) -> list[list[KVCacheBlock]]:
+        """A decode step under latest / none: the running block advances in place (ADVANCE),
+        except when it holds a boundary state that is (to be) published: the first decode step
+        after a chunk that ended on a boundary grows once, as in every. The running block is
+        never tagged."""
+        running = -(num_tokens // -self.block_size) - 1
+        r = t.running_slot
+        if r < 0:
+            out = self._start(t, running, num_tokens, drafts)
+        elif running > r and (r in t.positions or t.blocks[r].block_hash is not None):
+            out = self._grow(t, running, num_tokens, drafts)
+        else:
+            out = self._no_new
+            case = AlignStep.IN_PLACE
+            if running > r:
+                self._move_running(t, running)
+                case = AlignStep.ADVANCE
+            elif running < r:
+                case, running = AlignStep.BEHIND, r
+            self._check_writable(request_id, t, running, num_tokens)
+            self._record_step(t, running, num_tokens, drafts, case)
+        if t.positions:
+            t.positions.pop(t.running_slot, None)
+        if self._spares:
+            self._record_decode(t, num_tokens, drafts, num_computed)
+        t.in_decode = True
+        return out
 
     def _record_decode(self, t: MambaTable, num_tokens: int, drafts: int, num_computed: int) -> None:
         """Remember a ``latest`` decode step (its start is exact when nothing is in flight)."""
@@ -258,17 +267,6 @@ class DecodeCheckpointsMixin(DraftsMixin):
             node = node.next_free_block
         assert node is not None and node.prev_free_block is not None
         q._link_run(node.prev_free_block, blocks, node)  # the queue's own O(1) splice
-
-    def get_state_plan(self, request_id: str) -> StatePlan | None:
-        """Running, scratch and spare block ids of the request (None before it holds a state)."""
-        t = self._tables.get(request_id)
-        if t is None or t.running_slot < 0:
-            return None
-        blocks, r = t.blocks, t.running_slot
-        spare = blocks[-1].block_id if t.has_spare else 0
-        target = next(((spare, s.boundary) for s in reversed(t.decode_steps) if s.boundary), None) if spare else None
-        scratch = tuple(b.block_id for b in blocks[r + 1 : r + 1 + self.num_speculative_blocks])
-        return StatePlan(blocks[r].block_id, 0, 0, spare, scratch, target)
 
     def decode_event(self, t: MambaTable) -> int:
         """The next processed count at which ``retire`` must reach this group: while a decode

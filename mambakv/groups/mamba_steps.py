@@ -19,6 +19,7 @@ import enum
 from typing import TYPE_CHECKING
 
 from mambakv.core.block import KVCacheBlock
+from mambakv.core.errors import InvalidTokenCountError
 from mambakv.groups.base import cdiv
 from mambakv.groups.drafts import DraftsMixin, MambaTable
 
@@ -163,3 +164,45 @@ class AlignStepsMixin(DraftsMixin):
             return
         if positions:
             positions.pop(running, None)
+
+    def _align_columns(self, request_id: str, t: MambaTable, num_tokens: int,
+                       num_draft_tokens: int) -> list[list[KVCacheBlock]]:
+        """Prefill, and every decode step under ``every``: the AlignStep cases."""
+        running = -(num_tokens // -self.block_size) - 1 if self._align else 0
+        if t.running_slot < 0:
+            return self._start(t, running, num_tokens, num_draft_tokens)
+        if running > t.running_slot:
+            return self._grow(t, running, num_tokens, num_draft_tokens)
+        case = AlignStep.IN_PLACE
+        if running < t.running_slot:
+            if not t.had_drafts:
+                t.last_step = AlignStep.COVERED  # vllm-ascend #16329: a no-op, not a crash
+                return self._no_new
+            # Block 2, 3 computed, 1 + 3 drafts: running slot 3; 0 accepted; the next step from
+            # 4 reaches slot 2 only, but the state at 4 is in slot 3.
+            case, running = AlignStep.BEHIND, t.running_slot
+        self._check_writable(request_id, t, running, num_tokens)
+        self._record_step(t, running, num_tokens, num_draft_tokens, case)
+        return self._no_new
+
+    def _check_writable(self, request_id: str, t: MambaTable, running: int, num_tokens: int) -> None:
+        if t.blocks[running].block_hash is not None:
+            raise InvalidTokenCountError(
+                f"request {request_id!r}: a step to {num_tokens} tokens would rewrite the published state at slot "
+                f"{running} (another request may hold it as a hit)")
+
+    # ------------------------------------------------------------------ plans
+    def take_copy_plan(self) -> list[tuple[int, int]]:
+        """``(src, dst)`` block-id pairs to copy before the next forward (last state or hit
+        state -> running block), accumulated since the last call."""
+        plan, self._copy_plan = self._copy_plan, []
+        return plan
+
+    def take_zero_plan(self) -> list[int]:
+        """Running blocks that start without initial state, since the last call."""
+        plan, self._zero_plan = self._zero_plan, []
+        return plan
+
+    def pending_plan(self) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
+        """``(copies, zeros)`` not taken yet, read-only (drains nothing)."""
+        return tuple(self._copy_plan), tuple(self._zero_plan)
