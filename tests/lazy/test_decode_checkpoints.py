@@ -176,3 +176,21 @@ def test_one_token_prefill_chunk_is_not_decode(mode, published):
     new = Request("b", tokens(16) + [1, 2, 3])
     _, hit = coord.get_computed_blocks(new)
     assert hit == 8
+
+
+def test_a_spare_serves_one_boundary_at_a_time():
+    """Block 4, 3 drafts, async: step 1 (3 -> 7) targets the spare at 4; step 2, planned
+    before step 1's result (optimistic 7 -> 11, start >= 4), could reach only 8: while step 1
+    may still write 4 into the spare, step 2 gets no target (the fuzzer found a spare holding
+    8's state published under 4's key without this rule)."""
+    m = MambaManager(mamba_spec(4, 3, decode_checkpoints="latest"), BlockPool(16))
+    m.allocate_new_blocks("r", 3)
+    m.take_checkpoint_writes()
+    m.allocate_new_blocks("r", 7, num_draft_tokens=3, decode=True, num_computed_tokens=3)
+    first = m.take_checkpoint_writes()
+    spare = first[-1]
+    assert len(first) == 5 and spare[2] == 4  # running, 3 scratch, the spare at 4
+    m.allocate_new_blocks("r", 11, num_draft_tokens=3, decode=True, num_computed_tokens=7)
+    second = m.take_checkpoint_writes()
+    assert len(second) == 4 and all(b != spare[1] for _, b, _ in second)
+    m.check_invariants()
