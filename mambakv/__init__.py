@@ -31,6 +31,7 @@ from mambakv.core.errors import (
 from mambakv.core.hashing import hash_block_tokens, init_none_hash
 from mambakv.core.request import Request
 from mambakv.core.spec import (
+    DecodeCheckpoints,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -41,7 +42,6 @@ from mambakv.core.spec import (
 )
 from mambakv.groups import (
     FullAttentionManager,
-    LazyMambaManager,
     MambaManager,
     SingleTypeKVCacheManager,
     SlidingWindowManager,
@@ -67,7 +67,7 @@ __all__ = [
     "AllBlocksCleared", "BlockNotFreeError", "BlockPool", "BlockRemoved", "BlockStored", "CopyBackend", "DoubleFreeError",
     "FreeBlockQueue", "FullAttentionManager", "FullAttentionSpec", "HashBlockSizeMismatchError",
     "InvalidBlockError", "InvalidCopyPlanError", "InvalidDraftCountError", "InvalidHashError", "InvalidRequestError", "InvalidSpecError", "InvalidTokenCountError", "KVCacheBlock", "KVCacheBlocks",
-    "KVCacheConfig", "KVCacheCoordinator", "KVCacheGroupSpec", "KVCacheSpec", "LazyMambaManager", "MambaCacheMode",
+    "DecodeCheckpoints", "KVCacheConfig", "KVCacheCoordinator", "KVCacheGroupSpec", "KVCacheSpec", "MambaCacheMode",
     "MambaKVError",
     "MambaManager", "MambaSpec", "MambaStatePool", "ModelConfigError", "OutOfBlocksError", "PrefixCacheStats",
     "Request", "SingleTypeKVCacheManager", "SlidingWindowManager", "SlidingWindowSpec", "StaleCacheHitError", "StatePlan",

@@ -106,9 +106,13 @@ def _add_common(p: argparse.ArgumentParser, *, in_flight: int, spec_tokens: int)
     p.add_argument("--in-flight", type=COUNT, default=in_flight,
                    help=f"async lag: steps whose results are not processed yet (default {in_flight})")
     p.add_argument("--use-eagle", action="store_true", help="EAGLE/MTP back-off of prefix hits")
-    p.add_argument("--mamba-policy", choices=("eager", "lazy", "lazy-evict"), default="eager",
-                   help="Mamba state blocks: eager align (default), lazy (align_lazy: working block + private "
-                        "checkpoint, spares never evict), lazy-evict (spares may evict)")
+    p.add_argument("--decode-checkpoints", choices=("none", "every", "latest"), default=None,
+                   help="decode-boundary states of the Mamba groups: every (eager align, a block per boundary; "
+                        "default), latest (running state in place, a spare near a boundary only if free without "
+                        "eviction, published once settled), none (no decode-boundary state)")
+    p.add_argument("--mamba-policy", choices=("eager", "lazy", "lazy-evict"), default=None,
+                   help="alias (0.x): eager = --decode-checkpoints every, lazy = latest, lazy-evict = latest with "
+                        "spares that may evict a cached block (a benchmark knob)")
     p.add_argument("--step-ms", type=NON_NEGATIVE, default=10.0, help="step clock: fixed ms per step (default 10)")
     p.add_argument("--ms-per-token", type=NON_NEGATIVE, default=0.05,
                    help="step clock: ms per scheduled token (default 0.05)")
@@ -229,8 +233,7 @@ def _progress(total: int, quiet: bool) -> Any:
 
 def _blocks_needed(model: str, tokens: int, args: argparse.Namespace) -> tuple[int, int] | None:
     """``(blocks, bytes per block)`` a pool needs to run one request of `tokens` tokens alone
-    with the eager policy, or None for the lazy policies (their reserved region depends on
-    ``--max-num-seqs``).
+    (every decode-checkpoint policy: latest and none never pin more than every).
 
     ``1 (null) + attention groups x ceil((tokens + K) / block) + Mamba groups x (2 + K)`` with K
     speculative tokens: the request's KV blocks, plus a running and a checkpoint state and K
@@ -239,8 +242,6 @@ def _blocks_needed(model: str, tokens: int, args: argparse.Namespace) -> tuple[i
     in 905 blocks and not in 904 (K = 5, 2 in flight), in 890 and not 889 with K = 0 and none
     in flight.
     """
-    if args.mamba_policy != "eager":
-        return None
     from mambakv.models import load_model, plan_pages
 
     plan = plan_pages(load_model(model))
@@ -248,6 +249,17 @@ def _blocks_needed(model: str, tokens: int, args: argparse.Namespace) -> tuple[i
     blocks = (1 + len(plan.attention_groups) * -(-(tokens + k) // plan.block_size)
               + len(plan.mamba_groups) * (2 + k))
     return blocks, plan.bytes_per_block
+
+
+def _mamba_policy(args: argparse.Namespace) -> str:
+    """``--decode-checkpoints``, or the ``--mamba-policy`` alias (eager -> every, lazy -> latest,
+    lazy-evict -> latest-evict); both given must agree."""
+    alias = {"eager": "every", "lazy": "latest", "lazy-evict": "latest-evict"}.get(args.mamba_policy or "")
+    chosen = args.decode_checkpoints
+    if alias is not None and chosen is not None and alias.split("-")[0] != chosen:
+        raise SystemExit(f"mambakv: error: --mamba-policy {args.mamba_policy} means --decode-checkpoints "
+                         f"{alias.split('-')[0]}, not {chosen}")
+    return alias or chosen or "every"
 
 
 # --------------------------------------------------------------------------- commands
@@ -265,7 +277,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     common = dict(max_num_batched_tokens=args.max_num_batched_tokens, num_speculative_tokens=args.num_speculative_tokens,
                   in_flight=args.in_flight, memory_gib=args.memory_gib, use_eagle=args.use_eagle, seed=args.seed,
                   acceptance_rate=args.acceptance_rate, step_ms=args.step_ms, ms_per_token=args.ms_per_token,
-                  mamba_policy=args.mamba_policy)
+                  mamba_policy=_mamba_policy(args))
     bar = None
     specs: list[RequestSpec] | None = None
     result: SimResult

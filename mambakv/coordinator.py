@@ -34,7 +34,7 @@ from mambakv.core.errors import (
 )
 from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheConfig
-from mambakv.groups import LazyMambaManager, MambaManager, SingleTypeKVCacheManager, make_manager
+from mambakv.groups import MambaManager, SingleTypeKVCacheManager, make_manager
 from mambakv.hits import PrefixCacheStats, PrefixHitFinder
 from mambakv.plans import KVCacheBlocks
 from mambakv.request_state import RequestState, check_computed
@@ -46,7 +46,7 @@ def share_identical_policies(managers: Sequence[SingleTypeKVCacheManager]) -> tu
     """Let Mamba groups with an identical spec share one policy (the first one's): their
     tables evolve in lockstep, so per-request work is done once for every block column (a
     Qwen3-Next step does it once, not three times). Returns the managers that run a policy,
-    config order. Attention groups and lazy Mamba groups keep one policy each."""
+    config order. Attention groups keep one policy each."""
     leaders: dict[object, list[MambaManager]] = {}
     for m in managers:
         if type(m) is MambaManager:
@@ -69,10 +69,9 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries):
         hash_block_size: tokens per request hash block; None = the smallest group block size.
             It must divide every group's block size.
         enable_kv_cache_events: record KV events in the pool (``block_pool.take_events()``).
-        max_num_seqs: most running requests; sizes each lazy Mamba group's scratch region
-            (``max_num_seqs x nspec`` blocks reserved from the pool; unused otherwise).
-        lazy_spare_may_evict: lazy Mamba groups may evict a cached block for a spare (the
-            "lazy-evict" benchmark policy; the default never does).
+        max_num_seqs: accepted for 0.x callers, unused (nothing is reserved per request slot).
+        lazy_spare_may_evict: Mamba groups with ``decode_checkpoints="latest"`` may evict a
+            cached block for a spare (a benchmark knob; the default never does).
 
     Raises:
         HashBlockSizeMismatchError: `hash_block_size` is not a positive int or does not divide a
@@ -113,8 +112,6 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries):
             for i, g in enumerate(groups)
         )
         self.mamba_managers = tuple(m for m in self.managers if isinstance(m, MambaManager))
-        #: ALIGN_LAZY groups: told the computed tokens, and given spares last
-        self.lazy_managers = tuple(m for m in self.managers if isinstance(m, LazyMambaManager))
         #: the managers that run a policy (groups with one Mamba spec share the first one's)
         self.policies: tuple[SingleTypeKVCacheManager, ...] = share_identical_policies(self.managers)
         self._columns = tuple(m.column_ids for m in self.policies)
@@ -124,8 +121,7 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries):
         self._attention = tuple(m for m in self.policies if m.publishes_at_allocation)
         #: most draft tokens one step may verify without a group refusing it (each eager Mamba
         #: group checks its own rule above this); no limit without Mamba groups
-        self._max_drafts = min((m.num_speculative_blocks for m in self.mamba_managers
-                                if not isinstance(m, LazyMambaManager)), default=1 << 62)
+        self._max_drafts = min((m.num_speculative_blocks for m in self.mamba_managers), default=1 << 62)
         self._no_hits: tuple[tuple[()], ...] = ((),) * len(self.managers)
         self._empty_blocks = KVCacheBlocks(tuple([] for _ in self.managers))
         #: hits must end on a multiple of every group's block size
@@ -201,7 +197,7 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries):
             num_lookahead_tokens = self.max_model_len - num_tokens
         # The quiet step: no group needs a block, publishes or records anything.
         if (live is not None and num_drafts == 0 and num_tokens <= live.quiet_tokens
-                and num_tokens + num_lookahead_tokens <= live.num_covered and not self.lazy_managers):
+                and num_tokens + num_lookahead_tokens <= live.num_covered):
             if num_tokens > live.num_scheduled:
                 live.num_scheduled = num_tokens
             return self._empty_blocks
@@ -223,15 +219,12 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries):
             for m in self.mamba_managers:  # the group whose rule it breaks raises
                 m.check_step(num_tokens, num_drafts)
         policies, columns = self.policies, self._columns
-        for lazy in self.lazy_managers:
-            if not lazy.check_lazy_step(rid, num_tokens, num_computed, num_drafts):
-                return None
         if hits is self._no_hits:
             policy_hits: Sequence[Sequence[Sequence[KVCacheBlock]]] = self._policy_no_hits
         else:
             policy_hits = [[hits[g] for g in cols] for cols in columns]
         # count
-        if live is None or num_tokens + num_lookahead_tokens > live.num_covered or self.lazy_managers:
+        if live is None or num_tokens + num_lookahead_tokens > live.num_covered:
             need = 0
             for p, ph in zip(policies, policy_hits):
                 need += p.count_columns(rid, num_tokens, ph, num_computed, num_lookahead_tokens)
@@ -251,36 +244,29 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries):
                 p.add_hits(rid, ph)
         new_blocks: list[list[KVCacheBlock]] = [[] for _ in self.managers]
         any_new = False
-        lazy_any = bool(self.lazy_managers)
         for p, cols in zip(policies, columns):
-            if lazy_any and isinstance(p, LazyMambaManager):
-                per_column = [p.allocate_new_blocks(rid, num_tokens, num_lookahead_tokens, num_draft_tokens=num_drafts,
-                                                    num_computed_tokens=num_computed, defer_spare=True)]
-            else:
-                per_column = p.allocate_columns(rid, num_tokens, num_lookahead_tokens, num_drafts)
+            per_column = p.allocate_columns(rid, num_tokens, num_lookahead_tokens, num_drafts, num_computed_tokens=num_computed,
+                                            decode=num_computed >= request.num_prompt_tokens)
             if per_column[0]:
                 any_new = True
                 self._new_pending = True
                 for gid, blocks in zip(cols, per_column):
                     new_blocks[gid] = blocks
                     self._new_blocks[gid].append(blocks)  # ids are read only if a plan is taken
-        for lazy in self.lazy_managers:  # optional spares last: they may only use blocks nobody counted on
-            lazy.plan_checkpoint_write(rid)
+        for mp in self._mamba_policies:  # optional spares last: they may only use blocks nobody counted on
+            mp.plan_checkpoint_write(rid)
         # publish: attention KV is written before it is read; never blocks with drafts or placeholders
         if self.enable_caching:
             num_real = min(num_tokens - num_drafts, request.num_tokens)
             for a in self._attention:
                 a.cache_blocks(request, num_real)
         live.refresh(policies)
-        if self.lazy_managers:
-            live.retire_quiet = 0  # lazy groups settle decode steps at every retire
-        else:  # this step may have tagged a state: the next retire event moves
-            quiet = 1 << 62
-            for p, t in zip(policies, live.tables):
-                nxt = p.next_event(t)
-                if nxt < quiet:
-                    quiet = nxt
-            live.retire_quiet = quiet
+        quiet = 1 << 62  # this step may have tagged a state: the next retire event moves
+        for p, t in zip(policies, live.tables):
+            nxt = p.next_event(t)
+            if nxt < quiet:
+                quiet = nxt
+        live.retire_quiet = quiet
         if any_new and self.mamba_managers:
             self._copies_pending = self._zeros_pending = True
         # Most decode steps need no block: hand out one shared empty result (do not mutate it).

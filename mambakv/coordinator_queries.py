@@ -7,7 +7,7 @@ from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
 from mambakv.core.errors import InvalidRequestError, as_count
 from mambakv.core.request import Request
-from mambakv.groups import LazyMambaManager, MambaManager, SingleTypeKVCacheManager, StatePlan
+from mambakv.groups import MambaManager, SingleTypeKVCacheManager, StatePlan
 from mambakv.hits import PrefixCacheStats, PrefixHitFinder
 from mambakv.plans import EMPTY_STEP_PLAN, GroupPlan, KVCacheBlocks, RequestView, StepPlan
 from mambakv.request_state import RequestState, describe
@@ -19,7 +19,6 @@ class CoordinatorQueries:
     managers: tuple[SingleTypeKVCacheManager, ...]
     policies: tuple[SingleTypeKVCacheManager, ...]
     mamba_managers: tuple[MambaManager, ...]
-    lazy_managers: tuple[LazyMambaManager, ...]
     block_pool: BlockPool
     hash_block_size: int
     enable_caching: bool
@@ -129,16 +128,17 @@ class CoordinatorQueries:
         return {m.kv_cache_group_id: p for m in self.mamba_managers if (p := m.take_zero_plan())}
 
     def take_checkpoint_writes(self) -> dict[int, list[tuple[str, int, int]]]:
-        """Per lazy Mamba group: ``(request id, block id, position)`` for each step planned
-        since the last call inside a crossing window: its forward writes the state at
-        `position` into that block if the step computes that position (drafts included)."""
-        return {m.kv_cache_group_id: w for m in self.lazy_managers if (w := m.take_checkpoint_writes())}
+        """Per Mamba group: ``(request id, block id, position)`` for each block a step planned
+        since the last call writes (running state, scratch, ``latest``'s spare) and the
+        position it holds after the step; a spare gets the state at `position` only if the
+        step computes that position (drafts included). See MambaManager.take_checkpoint_writes."""
+        return {m.kv_cache_group_id: w for m in self.mamba_managers if (w := m.take_checkpoint_writes())}
 
     def get_state_plan(self, request_id: str) -> dict[int, StatePlan]:
-        """Per lazy Mamba group holding the request: its working / checkpoint / spare /
-        scratch block ids and the latest step's write target (LazyMambaManager.get_state_plan)."""
+        """Per Mamba group holding the request: its running / spare / scratch block ids and
+        the latest step's write target (MambaManager.get_state_plan)."""
         out = {}
-        for m in self.lazy_managers:
+        for m in self.mamba_managers:
             plan = m.get_state_plan(request_id)
             if plan is not None:
                 out[m.kv_cache_group_id] = plan
@@ -196,11 +196,7 @@ class CoordinatorQueries:
                     if not b.is_null:
                         holders[b.block_id] = holders.get(b.block_id, 0) + 1
                         assert owner.setdefault(b.block_id, gid) == gid, f"block {b.block_id} in two groups"
-        for lazy in self.lazy_managers:  # the scratch regions: held for good, in no table
-            for b in lazy.reserved_blocks:
-                assert b.block_id not in holders, f"reserved block {b.block_id} in a table"
-                holders[b.block_id] = 1
-        assert pool.num_reserved_blocks == sum(len(m.reserved_blocks) for m in self.lazy_managers)
+        assert pool.num_reserved_blocks == 0, "no group reserves blocks"
         for bid, n in holders.items():
             assert pool.blocks[bid].ref_cnt == n, f"block {bid}: ref {pool.blocks[bid].ref_cnt} != {n} tables"
         assert pool.get_num_free_blocks() + len(holders) == pool.num_blocks - 1, "blocks leaked"

@@ -5,8 +5,7 @@ calls when a step's outputs come back (``retire``, ``accept_drafts``) and when a
 from __future__ import annotations
 
 from mambakv.core.errors import InvalidDraftCountError, InvalidRequestError, InvalidTokenCountError, as_count
-from mambakv.core.request import Request
-from mambakv.groups import LazyMambaManager, MambaManager, SingleTypeKVCacheManager
+from mambakv.groups import MambaManager, SingleTypeKVCacheManager
 from mambakv.request_state import RequestState
 
 __all__ = ["CoordinatorResults"]
@@ -17,7 +16,6 @@ class CoordinatorResults:
 
     managers: tuple[SingleTypeKVCacheManager, ...]
     policies: tuple[SingleTypeKVCacheManager, ...]
-    lazy_managers: tuple[LazyMambaManager, ...]
     enable_caching: bool
     _mamba_policies: tuple[MambaManager, ...]
     _live: dict[str, RequestState]
@@ -52,10 +50,6 @@ class CoordinatorResults:
         if num_processed_tokens < live.retire_quiet:
             return
         policies, tables = self.policies, live.tables
-        if self.lazy_managers:  # lazy groups settle decode steps at every retire, inside their own calls
-            self._retire_lazy(request, num_processed_tokens)
-            live.refresh(policies)
-            return
         dead = [m.dead_slots(t, num_processed_tokens) for m, t in zip(policies, tables)]  # raises first
         if self.enable_caching:  # publish, then retire: a state published and retired lands cached
             for m in policies:
@@ -70,17 +64,6 @@ class CoordinatorResults:
                 quiet = nxt
         live.retire_quiet = quiet
         live.num_covered = live.quiet_tokens = 0  # the next allocate recounts (lazily, once)
-
-    def _retire_lazy(self, request: Request, num_processed_tokens: int) -> None:
-        """``retire`` with ALIGN_LAZY groups: each group's own publish and retire calls."""
-        rid = request.request_id
-        for m, t in zip(self.policies, self._live[rid].tables):
-            m.dead_slots(t, num_processed_tokens)  # raises before anything changes
-        if self.enable_caching:
-            for m in self.policies:
-                m.cache_blocks(request, num_processed_tokens)
-        for m in self.policies:
-            m.remove_skipped_blocks(rid, num_processed_tokens)
 
     def accept_drafts(self, request_id: str, num_accepted: int) -> dict[int, list[tuple[int, int]]]:
         """After a verify step: per Mamba group, the copies (accepted scratch -> running

@@ -8,8 +8,10 @@ STATE_SHAPES = ((3, 8), (2, 4, 4))
 STATE_DTYPES = ("bfloat16", "float32")
 
 
-def mamba_spec(block_size: int, nspec: int = 0, mode: MambaCacheMode | str = "align") -> MambaSpec:
-    return MambaSpec(block_size, STATE_SHAPES, STATE_DTYPES, mode=mode, num_speculative_blocks=nspec)
+def mamba_spec(block_size: int, nspec: int = 0, mode: MambaCacheMode | str = "align",
+               decode_checkpoints: str = "every") -> MambaSpec:
+    return MambaSpec(block_size, STATE_SHAPES, STATE_DTYPES, mode=mode, num_speculative_blocks=nspec,
+                     decode_checkpoints=decode_checkpoints)
 
 
 def mamba_manager(block_size: int, nspec: int = 0, num_blocks: int = 64, **kw) -> MambaManager:

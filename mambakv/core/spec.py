@@ -56,34 +56,50 @@ def dtype_size(dtype: Any) -> int:
     return DTYPE_SIZES[dtype_name(dtype)]
 
 
+#: the removed 0.x ALIGN_LAZY mode's names (read as align + decode_checkpoints "latest")
+LAZY_MODE_NAMES = ("align_lazy", "lazy")
+
+
 class MambaCacheMode(str, enum.Enum):
     """How a Mamba group keeps states.
 
     * ``NONE``: no prefix caching; a request holds ``1 + num_speculative_blocks`` blocks.
     * ``ALIGN``: states checkpointed at block boundaries (DESIGN.md 5.1); a running request
       holds at most ``2 + num_speculative_blocks`` (+ one per step in flight).
-    * ``ALIGN_LAZY``: prefill as ``ALIGN`` (no scratch in the table); in decode a working
-      block and one private checkpoint (+ one spare near a boundary); draft scratch rows come
-      from a region reserved once per group (``mambakv/managers/mamba_lazy.py``).
-
-    Strings ``"none"`` / ``"align"`` / ``"align_lazy"`` (or ``"lazy"``) are accepted wherever a
-    mode is taken.
+    Strings ``"none"`` / ``"align"`` are accepted wherever a mode is taken. The 0.x mode
+    ``"align_lazy"`` (or ``"lazy"``) was removed in issue 16: ``MambaSpec`` reads it as
+    ``mode="align", decode_checkpoints="latest"``; elsewhere it means ``ALIGN``.
     """
 
     NONE = "none"
     ALIGN = "align"
-    ALIGN_LAZY = "align_lazy"
 
     @classmethod
     def _missing_(cls, value: object) -> MambaCacheMode | None:
         if isinstance(value, str):
             name = value.lower()
-            if name == "lazy":
-                return cls.ALIGN_LAZY
+            if name in LAZY_MODE_NAMES:
+                return cls.ALIGN
             for member in cls:
                 if member.value == name:
                     return member
         return None
+
+
+class DecodeCheckpoints(str, enum.Enum):
+    """Which decode-boundary states an ``ALIGN`` Mamba group publishes (issue 16).
+
+    * ``EVERY``: eager align: a new block per boundary, each settled boundary state published.
+    * ``LATEST``: the running state advances in place; near a boundary a spare block (only if
+      free without eviction) receives the boundary state, published once the crossing settled.
+    * ``NONE``: the running state advances in place; no decode-boundary state is published.
+
+    Prefill is the same in all three (``mambakv/groups/mamba_decode.py``).
+    """
+
+    NONE = "none"
+    EVERY = "every"
+    LATEST = "latest"
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -167,6 +183,8 @@ class MambaSpec(KVCacheSpec):
             is always the :class:`MambaCacheMode` (normalised at construction, and typed so).
         num_speculative_blocks: scratch blocks for draft positions (MTP/EAGLE), >= 0.
         page_size_padded: bytes per block if padded up to the attention page (DESIGN.md 7).
+        decode_checkpoints: :class:`DecodeCheckpoints` or its string (``"every"``, the default,
+            ``"latest"``, ``"none"``); used by mode ``ALIGN`` only. Part of the spec's equality.
 
     Raises:
         InvalidSpecError: empty or mismatched shapes/dtypes, a non-positive dimension, an
@@ -179,10 +197,12 @@ class MambaSpec(KVCacheSpec):
     mode: MambaCacheMode = MambaCacheMode.NONE
     num_speculative_blocks: int = 0
     page_size_padded: int | None = field(default=None, compare=True)
+    decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY
 
     def __init__(self, block_size: int, shapes: tuple[tuple[int, ...], ...] = (), dtypes: tuple[Any, ...] = (),
                  mode: MambaCacheMode | str = MambaCacheMode.NONE, num_speculative_blocks: int = 0,
-                 page_size_padded: int | None = None) -> None:
+                 page_size_padded: int | None = None,
+                 decode_checkpoints: DecodeCheckpoints | str = DecodeCheckpoints.EVERY) -> None:
         # Written out (``init=False``) only so that `mode` may be a string while the field is
         # typed as the enum: the dataclass would type both as the field's annotation.  Same
         # parameters, order and defaults as the generated one; __post_init__ validates.
@@ -193,6 +213,7 @@ class MambaSpec(KVCacheSpec):
         set_field(self, "mode", mode)
         set_field(self, "num_speculative_blocks", num_speculative_blocks)
         set_field(self, "page_size_padded", page_size_padded)
+        set_field(self, "decode_checkpoints", decode_checkpoints)
         self.__post_init__()
 
     def __post_init__(self) -> None:
@@ -207,18 +228,20 @@ class MambaSpec(KVCacheSpec):
             raise InvalidSpecError(f"every state dimension must be positive, got {shapes}")
         object.__setattr__(self, "shapes", shapes)
         object.__setattr__(self, "dtypes", tuple(dtype_name(d) for d in self.dtypes))
+        if isinstance(self.mode, str) and self.mode.lower() in LAZY_MODE_NAMES:
+            object.__setattr__(self, "decode_checkpoints", DecodeCheckpoints.LATEST)  # the 0.x lazy mode
         try:
             object.__setattr__(self, "mode", MambaCacheMode(self.mode))
         except ValueError:
             raise InvalidSpecError(f"unknown Mamba cache mode {self.mode!r}") from None
+        try:
+            object.__setattr__(self, "decode_checkpoints", DecodeCheckpoints(self.decode_checkpoints))
+        except ValueError:
+            raise InvalidSpecError(f"decode_checkpoints must be none, every or latest, "
+                                   f"got {self.decode_checkpoints!r}") from None
         nspec = self.num_speculative_blocks
         if not isinstance(nspec, int) or isinstance(nspec, bool) or nspec < 0:
             raise InvalidSpecError(f"num_speculative_blocks must be an int >= 0, got {nspec!r}")
-        if self.mode is MambaCacheMode.ALIGN_LAZY and self.block_size < 2 * (nspec + 1):
-            # a boundary must be at most once inside one crossing window (mamba_lazy.py)
-            raise InvalidSpecError(
-                f"align_lazy needs block_size >= 2 * (num_speculative_blocks + 1) = {2 * (nspec + 1)}, "
-                f"got {self.block_size}")
         if self.page_size_padded is not None and self.page_size_padded < self.raw_page_size_bytes:
             raise InvalidSpecError(
                 f"page_size_padded {self.page_size_padded} < raw page {self.raw_page_size_bytes}"
@@ -239,14 +262,10 @@ class MambaSpec(KVCacheSpec):
     def blocks_per_running_request(self) -> int:
         """Most state blocks one running request pins with no step in flight:
         ``2 + nspec`` in align mode (last state, running state, scratch), ``1 + nspec`` in NONE.
-        Each step in flight adds one in align mode (DESIGN.md 5.1, the bound).
-
-        ``ALIGN_LAZY``: 2 table blocks a request must be able to get (prefill: last + running
-        state; decode: working block + private checkpoint), + ``nspec`` scratch rows, which are
-        lent from the group's reserved region (``max_num_seqs x nspec`` blocks taken from the
-        pool once) rather than allocated per request. Inside the crossing window a request may
-        also hold one spare, taken only from blocks free without eviction, never required."""
-        base = 2 if self.mode in (MambaCacheMode.ALIGN, MambaCacheMode.ALIGN_LAZY) else 1
+        Each step in flight adds one in align mode (DESIGN.md 5.1, the bound). The same for
+        every ``decode_checkpoints`` policy: ``latest``'s spare replaces, near a boundary, the
+        last state that ``every`` holds there, and is never required."""
+        base = 2 if self.mode is MambaCacheMode.ALIGN else 1
         return base + self.num_speculative_blocks
 
     def max_memory_usage_bytes(self, max_model_len: int) -> int:

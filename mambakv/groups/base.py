@@ -143,8 +143,11 @@ class SingleTypeKVCacheManager(ABC):
             self.add_computed_blocks(request_id, hits[0])
 
     def allocate_columns(self, request_id: str, num_tokens: int, num_lookahead_tokens: int,
-                         num_draft_tokens: int) -> list[list[KVCacheBlock]]:
-        """``allocate_new_blocks`` over every column: the new blocks of each."""
+                         num_draft_tokens: int, *, decode: bool = False,
+                         num_computed_tokens: int | None = None) -> list[list[KVCacheBlock]]:
+        """``allocate_new_blocks`` over every column: the new blocks of each. `decode` (the
+        prompt was computed before the step) and `num_computed_tokens` matter to Mamba
+        groups only."""
         return [self.allocate_new_blocks(request_id, num_tokens, num_lookahead_tokens,
                                          num_draft_tokens=num_draft_tokens)]
 

@@ -27,6 +27,27 @@ if TYPE_CHECKING:
     from mambakv.groups.mamba import AlignStep
 
 
+class DecodeStep:
+    """One planned decode step of the ``latest`` policy (``mambakv/groups/mamba_decode.py``).
+
+    Attributes:
+        drafts: draft tokens of the step (0: it settles at ``retire``, else at ``accept_drafts``).
+        real: its real tokens (1 for a decode step).
+        start: the position it starts from, when known at planning (no earlier step of the
+            request unresolved); -1: the end of the previous step.
+        lb: a lower bound of ``start`` (the boundary the step may reach is the next one above).
+        end: the step's planned main tokens, an upper bound of where it can end.
+        boundary: the boundary whose state the step writes into the spare if it computes it
+            (0: no write target).
+    """
+
+    __slots__ = ("drafts", "real", "start", "lb", "end", "boundary")
+
+    def __init__(self, drafts: int, real: int, start: int, lb: int, end: int) -> None:
+        self.drafts, self.real, self.start, self.lb, self.end = drafts, real, start, lb, end
+        self.boundary = 0
+
+
 class MambaTable(BlockTable):
     """Per-request state of a MambaManager.
 
@@ -45,10 +66,17 @@ class MambaTable(BlockTable):
             ``accept_drafts`` has not come yet, oldest first.
         verified: ``(position, slot)`` of verified steps whose state sits above slot
             ``(position - 1) // bs`` (drafts moved the running slot on), until processed.
+        in_decode: the request is in decode under ``latest`` / ``none`` (the running block
+            advances in place, see ``mamba_decode.py``).
+        decode_steps: ``latest``: planned decode steps not resolved yet, oldest first.
+        settled: ``latest``: the settled position (tokens) after the last resolved step.
+        has_spare: ``latest``: the last block of every column is a spare.
+        spare_pos: the boundary the spare holds once a step crossed into it (0: none yet).
+        ckpts: ``(block, key)`` of the request's last published decode checkpoint, per column.
     """
 
     __slots__ = ("running_slot", "num_tokens", "last_step", "had_drafts", "positions", "verify_steps", "verified",
-                 "columns")
+                 "columns", "in_decode", "decode_steps", "settled", "has_spare", "spare_pos", "ckpts")
 
     def __init__(self) -> None:
         super().__init__()
@@ -61,6 +89,12 @@ class MambaTable(BlockTable):
         self.positions: dict[int, int] = {}
         self.verify_steps: deque[tuple[int, int, int]] = deque()
         self.verified: deque[tuple[int, int]] = deque()
+        self.in_decode = False
+        self.decode_steps: deque[DecodeStep] = deque()
+        self.settled = 0
+        self.has_spare = False
+        self.spare_pos = 0
+        self.ckpts: list[tuple[KVCacheBlock, bytes]] = []
 
 
 class ColumnTable:
@@ -115,12 +149,21 @@ class DraftsMixin(SingleTypeKVCacheManager):
             t.verified.append((position, slot))  # see num_dead_slots
         # Tag a boundary state only if no later step was planned into this block meanwhile
         # (async scheduling): then the block keeps exactly this state.
+        if t.in_decode:  # latest / none: the running block advances in place and is never tagged
+            self._resolve_verify(t, num_accepted)
+            if num_accepted == 0:
+                return [[] for _ in t.columns]
+            r = t.running_slot  # where the running block and its scratch are now (async: moved on)
+            return [[(col[r + num_accepted].block_id, col[r].block_id)] for col in t.columns]
         latest = not t.verify_steps and t.running_slot == slot and t.num_tokens == num_tokens
         if latest and self.enable_caching and position == (slot + 1) * self.block_size:
             t.positions[slot] = position
         if num_accepted == 0:
             return [[] for _ in t.columns]
         return [[(col[slot + num_accepted].block_id, col[slot].block_id)] for col in t.columns]
+
+    def _resolve_verify(self, t: MambaTable, num_accepted: int) -> None:
+        """A decode step's verify under ``latest`` (see mamba_decode.py); nothing here."""
 
     def _check_leader(self) -> None:
         """Followers are driven through their leader (the coordinator does that).

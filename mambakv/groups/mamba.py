@@ -12,33 +12,37 @@ the engine retires to the computed tokens before each allocation)::
 Slot i holds the state after token ``(i + 1) * block_size``. The running state sits at
 ``running_slot(main) = cdiv(main, bs) - 1``; the ``nspec`` scratch blocks follow it.
 
-Each allocation is one named case of :class:`AlignStep` (recorded on the table as
-``last_step``); spec-decode bookkeeping (verify steps, ``accept_drafts``, the verified-state
-retirement rule) lives in :mod:`mambakv.groups.drafts`.
+The concerns live in one module each:
+
+=====================  ===========================================================
+``mamba_steps.py``     the align step cases (:class:`AlignStep`), tagging
+``mamba_decode.py``    decode checkpoints: ``MambaSpec.decode_checkpoints``
+                       (every / latest / none), spares, checkpoint writes
+``mamba_columns.py``   one policy over several block columns (identical groups)
+``drafts.py``          spec decode: verify steps, ``accept_drafts``, retirement rule
+``mamba_queries.py``   snapshot, thresholds, state block ids, the hit rule, invariants
+this module            the manager: counting, allocation dispatch, publication,
+                       retirement, plans, queries
+=====================  ===========================================================
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from typing import ClassVar
 
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
-from mambakv.core.errors import (
-    DoubleFreeError,
-    InvalidDraftCountError,
-    InvalidRequestError,
-    InvalidSpecError,
-    InvalidTokenCountError,
-)
+from mambakv.core.errors import DoubleFreeError, InvalidDraftCountError, InvalidTokenCountError
 from mambakv.core.events import stored_event_fields
 from mambakv.core.request import Request
-from mambakv.core.spec import KVCacheSpec, MambaCacheMode, MambaSpec
-from mambakv.groups.base import NEVER, BlockTable, cdiv, group_block_hashes, num_evictable
-from mambakv.groups.drafts import ColumnTable, DraftsMixin, MambaTable
+from mambakv.core.spec import DecodeCheckpoints, MambaCacheMode, MambaSpec
+from mambakv.groups.base import NEVER, BlockTable, group_block_hashes, num_evictable
+from mambakv.groups.drafts import MambaTable
 from mambakv.groups.kinds import GroupKind
-from mambakv.plans import TableView
+from mambakv.groups.mamba_columns import ColumnsMixin
+from mambakv.groups.mamba_queries import QueriesMixin
+from mambakv.groups.mamba_steps import AlignStep, running_slot
 
 __all__ = ["AlignStep", "MambaManager", "MambaRequestBlocks", "MambaTable", "running_slot"]
 
@@ -46,36 +50,7 @@ __all__ = ["AlignStep", "MambaManager", "MambaRequestBlocks", "MambaTable", "run
 MambaRequestBlocks = MambaTable
 
 
-def running_slot(num_tokens: int, block_size: int) -> int:
-    """Table slot of the running state once `num_tokens` tokens are computed (>= 1 token)."""
-    return cdiv(num_tokens, block_size) - 1
-
-
-class AlignStep(str, enum.Enum):
-    """What one ``allocate_new_blocks`` did to a request's table (``MambaTable.last_step``).
-
-    ==========  ========================================================================
-    NEW         first step: ``1 + nspec`` blocks; copy from the hit state, or zero
-    GROW        the running slot moved on: relocate scratch, 1 new block, copy last state
-    IN_PLACE    the step ends inside the running slot: the state advances in its block
-    BEHIND      a step after rejected drafts ends below the running slot: the state lives in
-                the running block (drafts pushed it up), so it advances in place there
-    COVERED     a request that never had drafts asks for fewer tokens than its running slot
-                covers: nothing changes (vllm-ascend #16329 crashed here)
-    ==========  ========================================================================
-
-    A step that would write a published running block (its state may be another request's
-    hit) raises InvalidTokenCountError instead.
-    """
-
-    NEW = "new"
-    GROW = "grow"
-    IN_PLACE = "in_place"
-    BEHIND = "behind"
-    COVERED = "covered"
-
-
-class MambaManager(DraftsMixin):
+class MambaManager(ColumnsMixin, QueriesMixin):
     """State blocks of one Mamba group (one block = one whole state of every layer).
 
     Mode NONE: a request holds ``1 + nspec`` blocks (running state + scratch) whatever its
@@ -91,7 +66,7 @@ class MambaManager(DraftsMixin):
     kind = GroupKind.MAMBA
     publishes_at_allocation = False
     table_class: ClassVar[type[BlockTable]] = MambaTable
-    _tables: dict[str, MambaTable]
+    _tables: dict[str, MambaTable]  # type: ignore[assignment]
 
     def __init__(self, kv_cache_spec: MambaSpec, block_pool: BlockPool, *, enable_caching: bool = True,
                  kv_cache_group_id: int = 0) -> None:
@@ -109,41 +84,13 @@ class MambaManager(DraftsMixin):
         self._zero_plan: list[int] = []
         #: the managers of every column this one drives (itself first, then its followers)
         self._column_managers: tuple[MambaManager, ...] = (self,)
-
-    # ------------------------------------------------------------------ one policy, several columns
-    def share_policy(self, followers: Sequence[MambaManager]) -> None:
-        """Drive the tables of `followers` (groups with an identical spec) with this manager's
-        policy: their per-request work is done once, for every block column, so a decode or
-        prefill step of a model with 3 identical Mamba groups does its bookkeeping once.
-        Only before any request holds blocks.
-
-        Raises:
-            InvalidSpecError: a follower's spec differs, or a table already exists."""
-        for f in followers:
-            if f.kv_cache_spec != self.kv_cache_spec or f.block_pool is not self.block_pool:
-                raise InvalidSpecError(f"group {f.kv_cache_group_id} cannot share group {self.kv_cache_group_id}'s policy")
-        if self._tables or any(f._tables for f in followers):
-            raise InvalidSpecError("share_policy before any request holds blocks")
-        for f in followers:
-            f.is_follower = True
-        self._column_managers = (self, *followers)
-
-    @property
-    def column_ids(self) -> tuple[int, ...]:
-        return tuple(m.kv_cache_group_id for m in self._column_managers)
-
-    def table(self, request_id: str) -> MambaTable:
-        """The request's table (created with one block column per sharing group)."""
-        t = self._tables.get(request_id)
-        if t is None:
-            new = self.table_class()
-            assert isinstance(new, MambaTable)
-            t = self._tables[request_id] = new
-            for f in self._column_managers[1:]:
-                col: list[KVCacheBlock] = []
-                t.columns.append(col)
-                f._tables[request_id] = ColumnTable(t, col)  # type: ignore[assignment]  # a read-only view
-        return t
+        self.decode_checkpoints = kv_cache_spec.decode_checkpoints
+        self._decode_in_place = self._align and self.decode_checkpoints is not DecodeCheckpoints.EVERY
+        self._spares = self._decode_in_place and self.decode_checkpoints is DecodeCheckpoints.LATEST \
+            and self.enable_caching
+        self.spare_may_evict = False
+        self._writes: list[tuple[str, int, int]] = []
+        self._list_writes = True
 
     # ------------------------------------------------------------------ check + count
     def check_step(self, num_tokens: int, num_draft_tokens: int) -> None:
@@ -170,41 +117,11 @@ class MambaManager(DraftsMixin):
         if t is None or t.running_slot < 0:
             evictable = num_evictable(new_computed_blocks) if new_computed_blocks else 0
             return 1 + self.num_speculative_blocks + evictable
+        if t.in_decode:
+            return 0  # latest / none: the running block advances in place; spares are optional
         if self._align and -(num_tokens // -self.block_size) > t.running_slot + 1:
             return 1  # the running slot moves on: exactly one block is missing (see allocate)
         return 0
-
-    def count_columns(self, request_id: str, num_tokens: int, hits: Sequence[Sequence[KVCacheBlock]],
-                      num_computed_tokens: int, num_lookahead_tokens: int) -> int:
-        """``get_num_blocks_to_allocate`` times the columns, plus every column's evictable hits."""
-        n = self.get_num_blocks_to_allocate(request_id, num_tokens, hits[0], num_computed_tokens,
-                                            num_lookahead_tokens)
-        if len(self._column_managers) == 1 or not n:
-            return n
-        t = self._tables.get(request_id)
-        if t is None or t.running_slot < 0:
-            return (1 + self.num_speculative_blocks) * len(hits) + sum(num_evictable(h) for h in hits if h)
-        return n * len(hits)
-
-    def add_hits(self, request_id: str, hits: Sequence[Sequence[KVCacheBlock]]) -> None:
-        """A new request's hit in every column: one touch for all of them."""
-        self._check_leader()
-        if not hits[0]:
-            return
-        t = self._tables.get(request_id)
-        if t is not None and t.blocks:
-            raise InvalidRequestError(f"request {request_id!r} already holds blocks; hits are for new requests")
-        self.block_pool.touch([b for h in hits for b in h])
-        t = self.table(request_id)
-        for col, h in zip(t.columns, hits):
-            col.extend(h)
-        t.num_cached_blocks = len(t.blocks)
-
-    def add_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]) -> None:
-        """A new request's prefix hit (one column: see ``add_hits`` for a shared policy)."""
-        if len(self._column_managers) > 1:
-            raise InvalidRequestError("a shared Mamba policy takes every column's hits at once (add_hits)")
-        self.add_hits(request_id, (new_computed_blocks,))
 
     def num_covered_tokens(self, request_id: str) -> int:
         """Tokens up to the running slot's boundary: beyond it the running state moves to a
@@ -216,7 +133,8 @@ class MambaManager(DraftsMixin):
 
     # ------------------------------------------------------------------ commit
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_lookahead_tokens: int = 0, *,
-                            num_draft_tokens: int = 0) -> list[KVCacheBlock]:
+                            num_draft_tokens: int = 0, decode: bool = False,
+                            num_computed_tokens: int | None = None) -> list[KVCacheBlock]:
         """Give the request a running state for ``num_tokens`` main tokens (computed +
         scheduled, drafts under verification included) and ``nspec`` scratch blocks.
 
@@ -228,153 +146,40 @@ class MambaManager(DraftsMixin):
         :class:`AlignStep`.
 
         `num_draft_tokens`: how many of the main tokens are unverified drafts (then
-        ``accept_drafts`` must follow the step's verify).
+        ``accept_drafts`` must follow the step's verify). `decode`: the whole prompt was
+        computed before this step (then ``decode_checkpoints`` latest / none apply, see
+        ``mamba_decode.py``); `num_computed_tokens`: tokens computed before the step (None:
+        ``num_tokens - 1 - drafts``). Used alone (no coordinator), this also runs
+        ``plan_checkpoint_write``.
 
         Raises (nothing changed):
             InvalidTokenCountError / InvalidDraftCountError: see ``check_step``; or a step that
                 would rewrite a published running state.
             OutOfBlocksError: the pool is short (the coordinator counts first).
         """
-        return self.allocate_columns(request_id, num_tokens, num_lookahead_tokens, num_draft_tokens)[0]
+        out = self.allocate_columns(request_id, num_tokens, num_lookahead_tokens, num_draft_tokens, decode=decode,
+                                    num_computed_tokens=num_computed_tokens)[0]
+        self.plan_checkpoint_write(request_id)
+        return out
 
     def allocate_columns(self, request_id: str, num_tokens: int, num_lookahead_tokens: int,
-                         num_draft_tokens: int) -> list[list[KVCacheBlock]]:
-        """``allocate_new_blocks`` for every column of the policy: the new blocks of each."""
+                         num_draft_tokens: int, *, decode: bool = False,
+                         num_computed_tokens: int | None = None) -> list[list[KVCacheBlock]]:
+        """``allocate_new_blocks`` for every column of the policy: the new blocks of each
+        (spares are not taken here: ``plan_checkpoint_write`` follows)."""
         if num_tokens <= 0 or num_draft_tokens < 0 or num_draft_tokens > self.num_speculative_blocks \
                 or self.is_follower:
             self._check_leader()
             self.check_step(num_tokens, num_draft_tokens)
         t = self._tables.get(request_id) or self.table(request_id)
-        running = -(num_tokens // -self.block_size) - 1 if self._align else 0
-        if t.running_slot < 0:
-            return self._start(t, running, num_tokens, num_draft_tokens)
-        if running > t.running_slot:
-            return self._grow(t, running, num_tokens, num_draft_tokens)
-        case = AlignStep.IN_PLACE
-        if running < t.running_slot:
-            if not t.had_drafts:
-                t.last_step = AlignStep.COVERED  # vllm-ascend #16329: a no-op, not a crash
-                return self._no_new
-            # Block 2, 3 computed, 1 + 3 drafts: running slot 3; 0 accepted; the next step from
-            # 4 reaches slot 2 only, but the state at 4 is in slot 3.
-            case, running = AlignStep.BEHIND, t.running_slot
-        if t.blocks[running].block_hash is not None:
-            raise InvalidTokenCountError(
-                f"request {request_id!r}: a step to {num_tokens} tokens would rewrite the published state at slot "
-                f"{running} (another request may hold it as a hit)")
-        self._record_step(t, running, num_tokens, num_draft_tokens, case)
-        return self._no_new
-
-    @property
-    def _no_new(self) -> list[list[KVCacheBlock]]:
-        return [[] for _ in self._column_managers]
-
-    def _start(self, t: MambaTable, running: int, num_tokens: int, drafts: int) -> list[list[KVCacheBlock]]:
-        """Case NEW: a hit table is ``[null, ..., H]`` (H is the state to resume from, copied into
-        the running block); without a hit the running block starts from zero."""
-        per = 1 + self.num_speculative_blocks
-        new = self.block_pool.get_new_blocks(per * len(t.columns))
-        out = []
-        null = self.null_block
-        for k, (col, m) in enumerate(zip(t.columns, self._column_managers)):
-            source = len(col) - 1
-            self._pad_to_running_slot(col, running)
-            mine = new[k * per : (k + 1) * per]
-            col.extend(mine)
-            if source >= 0 and col[source] is not null:
-                m._copy_plan.append((col[source].block_id, col[running].block_id))
-            else:
-                m._zero_plan.append(col[running].block_id)
-            out.append(mine)
-        self._record_step(t, running, num_tokens, drafts, AlignStep.NEW)
+        if decode and self._decode_in_place:
+            computed = num_tokens - 1 - num_draft_tokens if num_computed_tokens is None else num_computed_tokens
+            out = self._decode_columns(request_id, t, num_tokens, num_draft_tokens, computed)
+        else:
+            out = self._align_columns(request_id, t, num_tokens, num_draft_tokens)
+        if self._list_writes:
+            self._list_step_writes(request_id, t, num_tokens, num_draft_tokens)
         return out
-
-    def _grow(self, t: MambaTable, running: int, num_tokens: int, drafts: int) -> list[list[KVCacheBlock]]:
-        """Case GROW: the running slot moves from `source` to `running` (one new block per
-        column). The named steps ``_pad_to_running_slot`` and ``_relocate_scratch_blocks`` are
-        inlined here: this runs once per chunk of every long prefill."""
-        source = t.running_slot
-        null = self.null_block
-        cols = t.columns
-        relocate_stop = min(running, source + 1 + self.num_speculative_blocks)
-        for col in cols:
-            if len(col) < running:  # _pad_to_running_slot: a jump past the scratch blocks (rare)
-                col.extend([null] * (running - len(col)))
-            for slot in range(source + 1, relocate_stop):  # _relocate_scratch_blocks
-                col.append(col[slot])
-                col[slot] = null
-        num_new = running + 1 + self.num_speculative_blocks - len(cols[0])
-        if len(cols) == 1:
-            new = self.block_pool.get_new_blocks(num_new)
-            col = cols[0]
-            col.extend(new)
-            self._copy_plan.append((col[source].block_id, col[running].block_id))
-            self._record_step(t, running, num_tokens, drafts, AlignStep.GROW)
-            return [new]
-        new = self.block_pool.get_new_blocks(num_new * len(cols))
-        out = []
-        for k, (col, m) in enumerate(zip(cols, self._column_managers)):
-            mine = new[k * num_new : (k + 1) * num_new]
-            col.extend(mine)
-            m._copy_plan.append((col[source].block_id, col[running].block_id))
-            out.append(mine)
-        self._record_step(t, running, num_tokens, drafts, AlignStep.GROW)
-        return out
-
-    def _pad_to_running_slot(self, blocks: list[KVCacheBlock], running: int) -> None:
-        """Fill the table with null up to (not including) the running slot: interior
-        boundaries of a multi-block chunk hold no state."""
-        if len(blocks) < running:
-            blocks.extend([self.null_block] * (running - len(blocks)))
-
-    def _relocate_scratch_blocks(self, blocks: list[KVCacheBlock], source: int, running: int) -> None:
-        """Move the previous scratch blocks that now lie below the running slot to the end of
-        the table and null their old slots (no new block, no copy)::
-
-            source 4, running 8, nspec 3:  [.. S 5 6 7]  ->  [.. S 0 0 0 5 6 7]
-        """
-        null = self.null_block
-        for slot in range(source + 1, min(running, source + 1 + self.num_speculative_blocks)):
-            block = blocks[slot]
-            assert block is not null and block.ref_cnt == 1 and block.block_hash is None, \
-                f"scratch block {block.block_id} at slot {slot} is not writable"
-            blocks.append(block)
-            blocks[slot] = null
-
-    def _record_step(self, t: MambaTable, running: int, num_tokens: int, num_drafts: int, case: AlignStep) -> None:
-        """Remember the step, and tag the running block with the position its state will hold
-        after the forward if that position is the slot's boundary (only such a state can ever
-        be published). A verify step's position is known only after ``accept_drafts``.
-
-        Any older tag of the slot is dropped: this step overwrites the block in place."""
-        t.running_slot = running
-        t.num_tokens = num_tokens
-        t.last_step = case
-        positions = t.positions
-        if num_drafts:
-            t.verify_steps.append((running, num_tokens, num_drafts))
-            t.had_drafts = True
-        elif self.enable_caching and num_tokens == (running + 1) * self.block_size:
-            positions[running] = num_tokens
-            return
-        if positions:
-            positions.pop(running, None)
-
-    # ------------------------------------------------------------------ plans
-    def take_copy_plan(self) -> list[tuple[int, int]]:
-        """``(src, dst)`` block-id pairs to copy before the next forward (last state or hit
-        state -> running block), accumulated since the last call."""
-        plan, self._copy_plan = self._copy_plan, []
-        return plan
-
-    def take_zero_plan(self) -> list[int]:
-        """Running blocks that start without initial state, since the last call."""
-        plan, self._zero_plan = self._zero_plan, []
-        return plan
-
-    def pending_plan(self) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
-        """``(copies, zeros)`` not taken yet, read-only (drains nothing)."""
-        return tuple(self._copy_plan), tuple(self._zero_plan)
 
     # ------------------------------------------------------------------ publication
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
@@ -383,7 +188,13 @@ class MambaManager(DraftsMixin):
         boundary ``(slot + 1) * block_size``; other settled tags are dropped. Scratch blocks
         and nulls are never published."""
         t = self._tables.get(request.request_id)
-        if t is None or not t.positions:
+        if t is None:
+            return
+        if t.decode_steps or t.spare_pos:  # latest: settle decode steps, publish a settled crossing
+            self._check_leader()
+            self._settle_decode(t, num_tokens)
+            self._publish_spare(request, t, num_tokens)
+        if not t.positions:
             return
         self._check_leader()
         positions = t.positions
@@ -417,7 +228,16 @@ class MambaManager(DraftsMixin):
         if t.verify_steps:
             _, tokens, drafts = t.verify_steps[0]
             nxt = min(nxt, tokens - drafts)
+        if t.decode_steps or t.spare_pos:
+            nxt = min(nxt, self.decode_event(t))
         return nxt
+
+    def settle(self, table: BlockTable, num_processed_tokens: int) -> None:
+        """The verified entries (see DraftsMixin), and latest's decode steps."""
+        super().settle(table, num_processed_tokens)
+        t: MambaTable = table  # type: ignore[assignment]
+        if t.decode_steps:
+            self._settle_decode(t, num_processed_tokens)
 
     def free(self, request_id: str) -> None:
         """Drop the request in every column (tail first, see the base class), and its pending
@@ -433,6 +253,8 @@ class MambaManager(DraftsMixin):
         self.block_pool.free_blocks([b for col in t.columns for b in reversed(col)])  # raises before any change
         for col, m in zip(t.columns, self._column_managers):
             del m._tables[request_id]
+            if m._writes:
+                m._writes = [w for w in m._writes if w[0] != request_id]
             if m._copy_plan or m._zero_plan:
                 ids = {b.block_id for b in col if not b.is_null}
                 m._copy_plan = [p for p in m._copy_plan if p[1] not in ids]
@@ -478,70 +300,3 @@ class MambaManager(DraftsMixin):
         if need > self.block_pool.free_block_queue.num_free_blocks:
             return None
         return self.allocate_columns(request_id, num_tokens, 0, num_draft_tokens)[0]
-
-    # ------------------------------------------------------------------ queries
-    def describe(self, request_id: str) -> TableView | None:
-        """A read-only snapshot of the request's table, with the align-mode fields."""
-        t = self._tables.get(request_id)
-        if t is None:
-            return None
-        return TableView(self.kv_cache_group_id, tuple(b.block_id for b in t.blocks), t.num_cached_blocks,
-                         t.retired_below, t.running_slot, t.num_tokens, tuple(sorted(t.positions.items())),
-                         tuple(t.verify_steps), tuple(t.verified), t.had_drafts)
-
-    def thresholds(self, table: BlockTable) -> tuple[int, int]:
-        """Covered: up to the running slot's boundary (``num_covered_tokens``). Quiet: steps
-        strictly inside the running slot with no step awaiting ``accept_drafts`` only advance
-        the state in place (nothing to tag: the boundary itself is excluded)."""
-        t: MambaTable = table  # type: ignore[assignment]
-        if t.running_slot < 0:
-            return 0, 0
-        if not self._align:
-            return NEVER, 0 if t.verify_steps else NEVER
-        covered = (t.running_slot + 1) * self.block_size
-        return covered, 0 if t.verify_steps else covered - 1
-
-    def get_state_block_ids(self, request_id: str) -> list[int]:
-        """Block ids of the request's real states (last + running), scratch excluded: what
-        an engine saves or offloads for the request."""
-        t = self._tables.get(request_id)
-        if t is None:
-            return []
-        end = t.running_slot + 1 if t.running_slot >= 0 else len(t.blocks)
-        return [b.block_id for b in t.blocks[:end] if not b.is_null]
-
-    def num_held_blocks(self, request_id: str) -> int:
-        """Non-null blocks in the request's table."""
-        t = self._tables.get(request_id)
-        return 0 if t is None else sum(1 for b in t.blocks if not b.is_null)
-
-    @classmethod
-    def _find_hit(cls, block_hashes: Sequence[bytes], max_length: int, kv_cache_group_ids: Sequence[int],
-                  block_pool: BlockPool, kv_cache_spec: KVCacheSpec,
-                  alignment_tokens: int) -> tuple[list[KVCacheBlock], ...]:
-        """The rightmost cached state whose end is aligned: ``[null, ..., null, state]``."""
-        if not isinstance(kv_cache_spec, MambaSpec) or kv_cache_spec.mode is MambaCacheMode.NONE:
-            return tuple([] for _ in kv_cache_group_ids)
-        bs = kv_cache_spec.block_size
-        get = block_pool.get_cached_block
-        for i in range(min(max_length // bs, len(block_hashes)) - 1, -1, -1):
-            if ((i + 1) * bs) % alignment_tokens:
-                continue
-            cached = get(block_hashes[i], kv_cache_group_ids)
-            if cached is not None:
-                return tuple([block_pool.null_block] * i + [c] for c in cached)
-        return tuple([] for _ in kv_cache_group_ids)
-
-    def check_invariants(self) -> None:
-        """Base checks, plus: scratch blocks have ref count 1 and no hash; the running block
-        is real and unshared; position tags lie within the table."""
-        super().check_invariants()
-        null = self.null_block
-        for rid, t in self._tables.items():
-            if t.running_slot < 0:
-                continue
-            r = t.running_slot
-            assert r < len(t.blocks) and t.blocks[r] is not null, f"{rid}: running slot {r} null"
-            for b in t.blocks[r + 1 :]:
-                assert b is not null and b.ref_cnt == 1 and b.block_hash is None, f"{rid}: bad scratch {b}"
-            assert all(0 <= s < len(t.blocks) for s in t.positions), f"{rid}: tag outside table"

@@ -102,7 +102,8 @@ def build_kv_cache_config(model: HybridModel | str, memory_bytes: int, *,
                           mamba_mode: MambaCacheMode | str = MambaCacheMode.ALIGN,
                           num_speculative_blocks: int = 0, tp_size: int = 1,
                           ssm_dtype: Any = None, mamba_block_size: int = 2048,
-                          max_model_len: int | None = None) -> KVCacheConfig:
+                          max_model_len: int | None = None,
+                          decode_checkpoints: str = "every") -> KVCacheConfig:
     """The :class:`KVCacheConfig` of ``model`` over ``memory_bytes`` of cache memory (one rank).
 
     Args:
@@ -115,6 +116,8 @@ def build_kv_cache_config(model: HybridModel | str, memory_bytes: int, *,
         mamba_block_size: align block size of a model without attention (tokens).
         max_model_len: in mode NONE, the Mamba groups' block size (one block = one state);
             defaults to the attention block size (or ``mamba_block_size``).
+        decode_checkpoints: the Mamba groups' ``MambaSpec.decode_checkpoints`` (every /
+            latest / none).
 
     Groups: attention groups (:class:`FullAttentionSpec`) first, then Mamba groups
     (:class:`MambaSpec` padded to the common page).  Layer names are
@@ -125,6 +128,8 @@ def build_kv_cache_config(model: HybridModel | str, memory_bytes: int, *,
         InvalidSpecError: fewer than 2 blocks fit in ``memory_bytes``.
     """
     model = load_model(model)
+    if isinstance(mamba_mode, str) and mamba_mode.lower() in ("align_lazy", "lazy"):
+        decode_checkpoints = "latest"  # the removed 0.x lazy mode
     mode = MambaCacheMode(mamba_mode)
     plan = plan_pages(model, tp_size=tp_size, ssm_dtype=ssm_dtype,
                       mamba_block_size=mamba_block_size)
@@ -137,7 +142,7 @@ def build_kv_cache_config(model: HybridModel | str, memory_bytes: int, *,
         mamba_bs = max_model_len
     mamba_spec = MambaSpec(mamba_bs, model.state_shapes(tp_size), model.state_dtypes(ssm_dtype),
                            mode=mode, num_speculative_blocks=num_speculative_blocks,
-                           page_size_padded=plan.page_size_bytes)
+                           page_size_padded=plan.page_size_bytes, decode_checkpoints=decode_checkpoints)
     groups: list[KVCacheGroupSpec] = []
     for layers in plan.attention_groups:
         spec: KVCacheSpec = FullAttentionSpec(plan.block_size, model.kv_heads_per_rank(tp_size),

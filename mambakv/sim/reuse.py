@@ -1,15 +1,16 @@
-"""Multi-turn state reuse under speculative decoding: eager vs lazy Mamba state blocks (issue 10).
+"""Multi-turn state reuse under speculative decoding: decode-checkpoint policies (issues 10, 16).
 
 Workload: ``conversations`` chats of ``turns`` turns; turn t+1's prompt = turn t's prompt + its
 output + a new message (seeded lengths); closed loop: a turn is submitted when the previous one
-finishes. One Mamba group (align / align_lazy, block 64), no attention group, so a hit is
+finishes. One Mamba group (align, block 64), no attention group, so a hit is
 exactly a cached state. ``max_num_seqs`` requests run at once with ``nspec`` draft tokens per
 decode step (seeded acceptance) and an async lag of one step.
 
 Reported: the turn 2..T hit rate ``sum(hit tokens) / sum(prompt tokens)`` over turns >= 2.
 
-Policies (``mambakv.sim.runner.MAMBA_POLICIES``): ``eager`` (ALIGN), ``lazy`` (ALIGN_LAZY:
-spares only from blocks free without eviction), ``lazy-evict`` (ALIGN_LAZY, spares may evict).
+Policies (``mambakv.sim.runner.MAMBA_POLICIES``): ``every`` (eager align), ``latest`` (spares
+only from blocks free without eviction), ``latest-evict`` (spares may evict), ``none``; the
+0.x names ``eager`` / ``lazy`` / ``lazy-evict`` are aliases.
 """
 
 from __future__ import annotations
@@ -56,13 +57,15 @@ def reuse_conversations(num_conversations: int = 48, turns: int = 3, *, seed: in
 def run_reuse(policy: str, *, num_blocks: int, conversations: int = 48, turns: int = 3, max_num_seqs: int = 16,
               num_speculative_tokens: int = 3, block_size: int = 64, acceptance_rate: float = 0.7, lag: int = 1,
               seed: int = 0, check_invariants: bool = False, **workload: Any) -> dict[str, Any]:
-    """Run the workload under `policy` on a pool of `num_blocks` blocks (lazy policies reserve
-    ``max_num_seqs x nspec`` of them for scratch rows). Returns the turn >= 2 hit rate and
+    """Run the workload under `policy` on a pool of `num_blocks` blocks. Returns the turn >= 2 hit rate and
     counters."""
-    mode, evict = MAMBA_POLICIES[policy]
-    spec = MambaSpec(block_size, _SHAPES, _DTYPES, mode=mode, num_speculative_blocks=num_speculative_tokens)
+    decode_checkpoints, evict = MAMBA_POLICIES[policy]
+    spec = MambaSpec(block_size, _SHAPES, _DTYPES, mode="align", num_speculative_blocks=num_speculative_tokens,
+                     decode_checkpoints=decode_checkpoints)
     coord = KVCacheCoordinator(KVCacheConfig(num_blocks, [KVCacheGroupSpec(["mamba"], spec)]), max_model_len=1 << 16,
-                               max_num_seqs=max_num_seqs, lazy_spare_may_evict=evict)
+                               max_num_seqs=max_num_seqs)
+    for m in coord.mamba_managers:
+        m.spare_may_evict = evict
     chats = reuse_conversations(conversations, turns, seed=seed, **workload)
     following = {chat[t].request_id: chat[t + 1] for chat in chats for t in range(turns - 1)}
     done: list[SimRequest] = []

@@ -31,8 +31,12 @@ DEFAULT_MODEL = "qwen3-next-80b-a3b"
 GIB = 1 << 30
 #: Largest request the coordinator accepts (tokens); only a validation bound.
 DEFAULT_MAX_MODEL_LEN = 1 << 21
-#: ``--mamba-policy`` -> (Mamba cache mode, lazy spares may evict a cached block)
-MAMBA_POLICIES = {"eager": ("align", False), "lazy": ("align_lazy", False), "lazy-evict": ("align_lazy", True)}
+#: policy name -> (``MambaSpec.decode_checkpoints``, spares may evict a cached block). The first
+#: four are ``--decode-checkpoints`` values (``latest-evict``: a benchmark knob, spares may
+#: evict); ``eager`` / ``lazy`` / ``lazy-evict`` are the 0.x ``--mamba-policy`` names, aliases.
+MAMBA_POLICIES = {"none": ("none", False), "every": ("every", False), "latest": ("latest", False),
+                  "latest-evict": ("latest", True),
+                  "eager": ("every", False), "lazy": ("latest", False), "lazy-evict": ("latest", True)}
 #: Most blocks a simulated pool may have. Measured on a 2-core machine: a 1,000,000-block
 #: coordinator takes 0.75 s and ~100 MiB of host memory to build, so this bound is ~8 s and
 #: ~1 GiB; it is far above real budgets (8 x 141 GiB of Jamba blocks of 1.25 MiB is ~0.9 M)
@@ -48,8 +52,8 @@ def build_coordinator(model: str | Path = DEFAULT_MODEL, memory_gib: float = 60.
     """A coordinator for `model` over `memory_gib` GiB (or exactly `num_blocks` blocks).
 
     The Mamba groups get ``num_speculative_tokens`` speculative blocks. `mamba_policy`
-    (``eager`` / ``lazy`` / ``lazy-evict``, see MAMBA_POLICIES) overrides `mamba_mode`; a lazy
-    group reserves ``max_num_seqs x num_speculative_tokens`` scratch blocks from the pool.
+    (``none`` / ``every`` / ``latest`` / ``latest-evict``, or an alias, see MAMBA_POLICIES)
+    sets the Mamba groups' ``decode_checkpoints`` (None: ``every``).
 
     Raises:
         ModelConfigError: unknown model / unreadable config.
@@ -59,23 +63,26 @@ def build_coordinator(model: str | Path = DEFAULT_MODEL, memory_gib: float = 60.
     if isinstance(memory_gib, bool) or not isinstance(memory_gib, (int, float)) or not math.isfinite(memory_gib) \
             or memory_gib <= 0:
         raise InvalidSpecError(f"memory must be a finite number > 0 GiB, got {memory_gib!r}")
-    evict = False
+    decode_checkpoints, evict = "every", False
     if mamba_policy is not None:
         if mamba_policy not in MAMBA_POLICIES:
             raise InvalidSpecError(f"unknown Mamba policy {mamba_policy!r}; known: {', '.join(MAMBA_POLICIES)}")
-        mamba_mode, evict = MAMBA_POLICIES[mamba_policy]
+        decode_checkpoints, evict = MAMBA_POLICIES[mamba_policy]
     if not math.isfinite(memory_gib * GIB):  # 1e308 GiB: the byte count overflows a float
         raise InvalidSpecError(f"memory {memory_gib:g} GiB is too large")
     cfg = build_kv_cache_config(load_model(model), int(memory_gib * GIB), mamba_mode=mamba_mode,
-                                num_speculative_blocks=num_speculative_tokens)
+                                num_speculative_blocks=num_speculative_tokens, decode_checkpoints=decode_checkpoints)
     if num_blocks is not None:
         cfg = KVCacheConfig(num_blocks, cfg.kv_cache_groups)
     if cfg.num_blocks > MAX_NUM_BLOCKS:
         src = f"{memory_gib:g} GiB" if num_blocks is None else "num_blocks"
         raise InvalidSpecError(f"a pool of {cfg.num_blocks:,} blocks ({src}) exceeds the simulator's limit of "
                                f"{MAX_NUM_BLOCKS:,} blocks; use less memory")
-    return KVCacheCoordinator(cfg, max_model_len=max_model_len, enable_caching=enable_caching, use_eagle=use_eagle,
-                              max_num_seqs=max_num_seqs, lazy_spare_may_evict=evict)
+    coord = KVCacheCoordinator(cfg, max_model_len=max_model_len, enable_caching=enable_caching, use_eagle=use_eagle,
+                               max_num_seqs=max_num_seqs)
+    for m in coord.mamba_managers:
+        m.spare_may_evict = evict
+    return coord
 
 
 @dataclass

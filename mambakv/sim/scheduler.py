@@ -82,7 +82,7 @@ class Scheduler(ResultProcessor, Admission):
         for m in coord.mamba_managers:
             spec = m.kv_cache_spec
             assert isinstance(spec, MambaSpec)
-            nspec = spec.num_speculative_blocks  # lazy groups lend scratch rows instead
+            nspec = spec.num_speculative_blocks
             if num_speculative_tokens > nspec:
                 raise MambaKVError(f"{num_speculative_tokens} speculative tokens need >= that many "
                                    f"speculative blocks, group {m.kv_cache_group_id} has {nspec}")
@@ -103,7 +103,7 @@ class Scheduler(ResultProcessor, Admission):
         # Chunks end on multiples of the coordinator's hit alignment (the LCM of every group's
         # block size): a chunk end that is a Mamba boundary but not a multiple of the attention
         # block could never be a hit.
-        aligned = any(m.mode in (MambaCacheMode.ALIGN, MambaCacheMode.ALIGN_LAZY) for m in coord.mamba_managers)
+        aligned = any(m.mode is MambaCacheMode.ALIGN for m in coord.mamba_managers)
         self.align = coord.alignment_tokens if aligned else 0
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []

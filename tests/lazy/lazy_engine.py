@@ -92,9 +92,11 @@ class LazyEngine:
                 works.append(Work(seq, prefill, table[running], tuple(table[running + 1 :])))
             else:
                 works.append(Work(seq, prefill, plan.working_block_id, plan.scratch_block_ids))
-        writes = {rid: (b, p) for rid, b, p in coord.take_checkpoint_writes().get(self.gid, [])}
-        for w in works:
-            w.target = writes.get(w.seq.req.request_id)
+        listed = coord.take_checkpoint_writes().get(self.gid, [])
+        writes = {}
+        for w in works:  # the boundary write: a block other than the running and scratch blocks
+            rid, own = w.seq.req.request_id, {w.working, *w.scratch[: w.seq.K]}
+            writes[rid] = w.target = next(((b, p) for r, b, p in listed if r == rid and b not in own), None)
         zeros = coord.take_zero_plan().get(self.gid, [])
         copies = coord.take_copy_plan().get(self.gid, [])
         coord.check_invariants()
