@@ -19,10 +19,12 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from mambakv import __version__
+from mambakv.cli_args import COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, PROBABILITY, Parser, progress
+from mambakv.cli_fleet import FLEET_INDEXES, FLEET_LOAD_BOUND, FLEET_ROUTERS, add_fleet_arguments, run_fleet_command
 from mambakv.core.errors import MambaKVError
 from mambakv.plot import PLOT_SUFFIXES, check_plot_path, merge_identical_groups, plot_series, write_plot
 from mambakv.report import GIB, MIB, REPORT_HELP, format_report
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
 
 # The report and the chart live in mambakv.report and mambakv.plot; their names stay
 # importable from here (code and tests written against the one-module command use them).
-__all__ = ["GIB", "MIB", "PLAUSIBLE_SPECULATIVE_TOKENS", "PLOT_SUFFIXES", "REPORT_HELP", "build_parser",
+__all__ = ["FLEET_INDEXES", "FLEET_LOAD_BOUND", "FLEET_ROUTERS", "GIB", "MIB", "PLAUSIBLE_SPECULATIVE_TOKENS", "PLOT_SUFFIXES", "REPORT_HELP", "build_parser",
            "check_plot_path", "format_report", "main", "merge_identical_groups", "plot_series", "warn",
            "write_plot"]
 
@@ -41,48 +43,6 @@ __all__ = ["GIB", "MIB", "PLAUSIBLE_SPECULATIVE_TOKENS", "PLOT_SUFFIXES", "REPOR
 #: EAGLE drafters propose a handful of tokens per step; every draft costs each Mamba group one
 #: more block per request, and the run is still allowed (the bound is a judgement, not a limit).
 PLAUSIBLE_SPECULATIVE_TOKENS = 64
-
-_Num = TypeVar("_Num", int, float)
-
-
-# --------------------------------------------------------------------------- argument types
-def _number(kind: Callable[[str], _Num], *, low: float, low_ok: bool,
-            high: float | None = None) -> Callable[[str], _Num]:
-    """An argparse ``type=`` parser: a finite `kind` (int or float) in ``[low, high]`` (``(low, high]``
-    when not `low_ok`); anything else is argparse's one-line error."""
-    if kind is int:
-        what = f"an int >= {low:g}" if low_ok else f"an int > {low:g}"
-    elif high is not None:
-        what = f"a number in [{low:g}, {high:g}]"
-    else:
-        what = f"a finite number {'>=' if low_ok else '>'} {low:g}"
-
-    def parse(text: str) -> _Num:
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not math.isfinite(v) or v < low or (v == low and not low_ok) or (high is not None and v > high):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return v
-
-    parse.__name__ = what  # argparse names the type in some messages
-    return parse
-
-
-POSITIVE_INT = _number(int, low=0, low_ok=False)
-COUNT = _number(int, low=0, low_ok=True)
-POSITIVE = _number(float, low=0, low_ok=False)
-NON_NEGATIVE = _number(float, low=0, low_ok=True)
-PROBABILITY = _number(float, low=0, low_ok=True, high=1)
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with a one-line error (``mambakv: error: ...``) and exit status 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"mambakv: error: {' '.join(message.split())} (see {self.prog} --help)\n")
-
 
 def warn(message: str) -> None:
     """One line ``mambakv: warning: ...`` on stderr."""
@@ -125,68 +85,10 @@ def _add_common(p: argparse.ArgumentParser, *, in_flight: int, spec_tokens: int)
                         "hit rate, per step (.png, .svg or .pdf; needs matplotlib); checked before the run")
 
 
-#: ``mambakv fleet`` choices (``mambakv.sim.router.ROUTERS``, ``mambakv.sim.fleet.INDEXES`` and
-#: ``DEFAULT_LOAD_BOUND``; literal here so that building the parser loads no simulator).
-FLEET_ROUTERS = ("round-robin", "least-loaded", "kv", "oracle")
-FLEET_INDEXES = ("mambakv", "dynamo")
-FLEET_LOAD_BOUND = 1.5
-
-
-def _add_fleet(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", help="trace file (one JSON object per line)")
-    p.add_argument("--instances", type=POSITIVE_INT, default=4, help="engines in the fleet (default 4)")
-    p.add_argument("--router", choices=FLEET_ROUTERS, default="round-robin",
-                   help="routing policy (default round-robin)")
-    p.add_argument("--load-bound", type=_number(float, low=1, low_ok=True), default=FLEET_LOAD_BOUND,
-                   help="kv / oracle: only instances with load <= this x the mean load (default 1.5)")
-    p.add_argument("--index", choices=FLEET_INDEXES, default="mambakv",
-                   help="kv: mambakv's own index, or Dynamo's RadixTree (needs ai-dynamo-runtime)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", default=None, help="packaged model name; default qwen3-next-80b-a3b")
-    src.add_argument("--config", default=None, metavar="CONFIG_JSON", help="a Hugging Face config.json")
-    p.add_argument("--memory-gib", type=POSITIVE, default=60.0, help="memory per instance (GiB, default 60)")
-    p.add_argument("--max-num-batched-tokens", type=POSITIVE_INT, default=8192, help="per step (default 8192)")
-    p.add_argument("--max-num-seqs", type=POSITIVE_INT, default=256, help="most running requests (default 256)")
-    p.add_argument("--limit", type=POSITIVE_INT, default=None, help="first N requests (default: all)")
-    p.add_argument("--skip", type=COUNT, default=0, metavar="N", help="start at line N+1 of the trace (default 0)")
-    p.add_argument("--replay", choices=("strict", "conversation"), default="strict", help="as for `mambakv trace`")
-    p.add_argument("--step-ms", type=NON_NEGATIVE, default=10.0, help="step clock: fixed ms per step (default 10)")
-    p.add_argument("--ms-per-token", type=NON_NEGATIVE, default=0.05, help="step clock: ms per token (default 0.05)")
-    p.add_argument("--seed", type=COUNT, default=0, help="seed of the outputs (default 0)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--plot", metavar="PNG", default=None,
-                   help="bars per instance: share of scheduled tokens and hit rate (.png, .svg or .pdf)")
-
-
-def _run_fleet(args: argparse.Namespace) -> str:
-    from mambakv.fleet_report import format_fleet_report
-    from mambakv.sim import DEFAULT_MODEL, load_trace
-    from mambakv.sim.fleet import run_fleet, write_fleet_plot
-
-    check_plot_path(args.plot)
-    specs = load_trace(args.path, limit=args.limit, skip=args.skip)
-    bar = _progress(len(specs), args.quiet)
-    try:
-        result = run_fleet(args.path, args.config or args.model or DEFAULT_MODEL, instances=args.instances,
-                           router=args.router, load_bound=args.load_bound, index=args.index,
-                           memory_gib=args.memory_gib, limit=args.limit, skip=args.skip, replay=args.replay,
-                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                           specs=specs, on_finish=(lambda _r: bar.update(1)) if bar is not None else None,
-                           step_ms=args.step_ms, ms_per_token=args.ms_per_token, seed=args.seed)
-    finally:
-        if bar is not None:
-            bar.close()
-    d = result.to_dict()
-    if args.plot:
-        write_fleet_plot(d, args.plot)
-        print(f"wrote {args.plot}", file=sys.stderr)
-    return json.dumps(d, indent=1) if args.json else format_fleet_report(d)
-
 
 def build_parser() -> argparse.ArgumentParser:
     description = __doc__.split("\n\n")[0].replace("``", "")  # plain text, no RST markup
-    parser = _Parser(prog="mambakv", description=description)
+    parser = Parser(prog="mambakv", description=description)
     parser.add_argument("--version", action="version", version=f"mambakv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     epilog, raw = REPORT_HELP, argparse.RawDescriptionHelpFormatter  # the run commands explain their report
@@ -217,18 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("fleet", help="a Mooncake trace over N instances behind a router",
                        epilog=FLEET_HELP, formatter_class=raw)
-    _add_fleet(p)
+    add_fleet_arguments(p)
     p = sub.add_parser("models", help="the packaged model configs")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     return parser
-
-
-def _progress(total: int, quiet: bool) -> Any:
-    if quiet or total < 2 or not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
 
 
 def _blocks_needed(model: str, tokens: int, args: argparse.Namespace) -> tuple[int, int] | None:
@@ -291,7 +185,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                                    skip=args.skip)
             else:
                 specs = conversations(args.conversations, args.turns, seed=args.seed)
-            bar = _progress(len(specs), args.quiet)
+            bar = progress(len(specs), args.quiet)
             on_finish = (lambda _r: bar.update(1)) if bar is not None else None
             if args.command == "trace":
                 result = run_trace(args.path, model, specs=specs, limit=args.limit, max_num_seqs=args.max_num_seqs,
@@ -340,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _print(json.dumps([model_info(n).__dict__ for n in list_models()], indent=1))
             return _print(format_models_table())
         if args.command == "fleet":
-            return _print(_run_fleet(args))
+            return _print(run_fleet_command(args))
         d = _run(args)
     except (MambaKVError, OSError) as e:
         msg = " ".join(str(e).split())

@@ -1,0 +1,63 @@
+"""Argument types of the ``mambakv`` command: finite numbers in a range, a parser whose errors
+are one line with exit status 2, and the progress bar."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
+
+__all__ = ["COUNT", "NON_NEGATIVE", "POSITIVE", "POSITIVE_INT", "PROBABILITY", "Parser", "number", "progress"]
+
+_Num = TypeVar("_Num", int, float)
+
+
+def number(kind: Callable[[str], _Num], *, low: float, low_ok: bool,
+            high: float | None = None) -> Callable[[str], _Num]:
+    """An argparse ``type=`` parser: a finite `kind` (int or float) in ``[low, high]`` (``(low, high]``
+    when not `low_ok`); anything else is argparse's one-line error."""
+    if kind is int:
+        what = f"an int >= {low:g}" if low_ok else f"an int > {low:g}"
+    elif high is not None:
+        what = f"a number in [{low:g}, {high:g}]"
+    else:
+        what = f"a finite number {'>=' if low_ok else '>'} {low:g}"
+
+    def parse(text: str) -> _Num:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(v) or v < low or (v == low and not low_ok) or (high is not None and v > high):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return v
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+POSITIVE_INT = number(int, low=0, low_ok=False)
+COUNT = number(int, low=0, low_ok=True)
+POSITIVE = number(float, low=0, low_ok=False)
+NON_NEGATIVE = number(float, low=0, low_ok=True)
+PROBABILITY = number(float, low=0, low_ok=True, high=1)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (``mambakv: error: ...``) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"mambakv: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
+
+
+def progress(total: int, quiet: bool) -> Any:
+    """A tqdm bar on a terminal (None when quiet, for one item, or off a terminal)."""
+    if quiet or total < 2 or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
