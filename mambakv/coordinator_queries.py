@@ -146,13 +146,17 @@ class CoordinatorQueries:
 
     # ------------------------------------------------------------------ queries
     def new_step(self) -> None:
-        """Mark a scheduling step (statistics; hits never depend on it). The new block ids of
-        ``take_step_plan`` cover the blocks taken since the last ``new_step`` or drain."""
+        """Mark a scheduling step (statistics; hits never depend on it). The new block ids and
+        checkpoint writes of ``take_step_plan`` / ``take_checkpoint_writes`` cover the steps
+        planned since the last ``new_step`` or drain: what an engine did not take is dropped
+        here, so nothing accumulates for an engine that never asks."""
         self.num_steps += 1
         if self._new_pending:
             self._new_pending = False
             for blocks in self._new_blocks:
                 blocks.clear()
+        for m in self.mamba_managers:
+            m.drop_checkpoint_writes()
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; False (nothing changed) while any block is in use. To reset

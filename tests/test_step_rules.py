@@ -192,3 +192,18 @@ def test_step_plan_is_typed_and_empty_when_nothing_happened():
     view = coord.describe("r")
     assert view.num_scheduled == 8 and view.tables[1].running_slot == 1 and view.tables[1].positions == ((1, 8),)
     assert [m.kind for m in coord.managers] == [GroupKind.FULL_ATTENTION, GroupKind.MAMBA]
+
+
+def test_untaken_checkpoint_writes_are_dropped_at_the_next_step():
+    # FA 4 + Mamba 4, a 9-token request: its prefill step lists one write (the running block,
+    # position 8); an engine that never takes the writes must not accumulate them.
+    coord = coordinator(32, fa_spec(4), mamba_spec(4))
+    req = Request("r", tokens(9))
+    coord.new_step()
+    admit(coord, req, 8)
+    running = coord.get_block_ids("r")[1][1]
+    assert coord.take_checkpoint_writes() == {1: [("r", running, 8)]}
+    coord.new_step()
+    assert coord.allocate(req, 1, num_draft_tokens=0) is not None  # a step planned, writes not taken
+    coord.new_step()
+    assert coord.take_checkpoint_writes() == {}

@@ -193,6 +193,11 @@ class DecodeCheckpointsMixin(AlignStepsMixin):
         out, self._writes = self._writes, []
         return out
 
+    def drop_checkpoint_writes(self) -> None:
+        """Forget the writes not taken (the coordinator's ``new_step`` calls it)."""
+        if self._writes:
+            self._writes = []
+
     # ------------------------------------------------------------------ results
     def _resolve_step(self, t: MambaTable, step: DecodeStep, num_accepted: int) -> None:
         """The step settled: it crossed into the spare iff it computed its target boundary
