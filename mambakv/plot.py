@@ -99,10 +99,10 @@ def write_plot(result: SimResult, path: str) -> None:
     fig, (ax, axh) = plt.subplots(2, 1, sharex=True, figsize=(10, 6.5), height_ratios=(3, 1.3))
     bands = merge_identical_groups([g.kind for g in m.groups], usage)
     ys, labels, colors = [], [], [f"C{i}" for i in range(len(bands))]
-    reserved = pool.num_reserved_blocks  # lazy scratch rows: taken from the pool, in no table
+    reserved = pool.num_reserved_blocks  # blocks taken out of circulation (reserve_blocks), in no table
     if reserved:
         ys.append([reserved] * len(steps))
-        labels.append(f"reserved scratch region (lazy): {reserved:,}")
+        labels.append(f"reserved blocks: {reserved:,}")
         colors.insert(0, "lightgray")
     for gids, kind in bands:
         ys.append([sum(u[g] for g in gids) for u in usage])
