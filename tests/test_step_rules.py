@@ -207,3 +207,21 @@ def test_untaken_checkpoint_writes_are_dropped_at_the_next_step():
     assert coord.allocate(req, 1, num_draft_tokens=0) is not None  # a step planned, writes not taken
     coord.new_step()
     assert coord.take_checkpoint_writes() == {}
+
+
+@pytest.mark.parametrize("in_flight", [0, 1, 2])
+def test_schedule_step_equals_its_three_calls(in_flight):
+    # The 480k replay loop at block 3584, nspec 5, both ways: identical tables and copy plans
+    # at every step (the fused path is the same retire + count + grow).
+    fused, calls = (MambaManager(mamba_spec(3584, nspec=5), BlockPool(64)) for _ in range(2))
+    chunk = 8192 // 3584 * 3584
+    for target in range(chunk, 480_031 + 1, chunk):
+        processed = max(0, target - chunk - in_flight * chunk)
+        fused.schedule_step("r", target, processed)
+        calls.remove_skipped_blocks("r", processed)
+        calls.get_num_blocks_to_allocate("r", target)
+        calls.allocate_new_blocks("r", target)
+        assert fused.describe("r")[1:] == calls.describe("r")[1:]  # block ids come from separate pools
+        assert [b.block_id for b in fused.req_to_blocks["r"]] == [b.block_id for b in calls.req_to_blocks["r"]]
+        assert fused.take_copy_plan() == calls.take_copy_plan()
+        fused.check_invariants()

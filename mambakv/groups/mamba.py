@@ -295,6 +295,24 @@ class MambaManager(ColumnsMixin, QueriesMixin):
         ``remove_skipped_blocks`` + ``get_num_blocks_to_allocate`` + ``allocate_new_blocks``.
 
         Raises: as those three calls."""
+        t = self._tables.get(request_id)
+        if (t is not None and t.running_slot >= 0 and not num_draft_tokens and self._align
+                and len(self._column_managers) == 1 and not (t.verify_steps or t.verified)
+                and num_tokens > 0 and num_processed_tokens > 0):
+            # The prefill chunk of a running request, retire + count + GROW in one pass (the
+            # same steps as the three calls; any other case takes them one by one below).
+            bs = self.block_size
+            num_slots = (num_processed_tokens - 1) // bs  # only the last state matters
+            running = -(num_tokens // -bs) - 1
+            if num_slots <= t.running_slot and running > t.running_slot:
+                if num_slots > t.retired_below:
+                    self.retire_slots(t, num_slots)
+                if not self.block_pool.free_block_queue.num_free_blocks:
+                    return None
+                new = self._grow(t, running, num_tokens, 0)[0]
+                if self._list_writes:
+                    self._list_step_writes(request_id, t, num_tokens, 0)
+                return new
         self.remove_skipped_blocks(request_id, num_processed_tokens)
         need = self.get_num_blocks_to_allocate(request_id, num_tokens) * len(self._column_managers)
         if need > self.block_pool.free_block_queue.num_free_blocks:
