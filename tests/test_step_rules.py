@@ -225,3 +225,21 @@ def test_schedule_step_equals_its_three_calls(in_flight):
         assert [b.block_id for b in fused.req_to_blocks["r"]] == [b.block_id for b in calls.req_to_blocks["r"]]
         assert fused.take_copy_plan() == calls.take_copy_plan()
         fused.check_invariants()
+
+
+def test_a_step_planned_before_a_verify_tags_no_boundary():
+    # Mamba block 4, 1 scratch block. A 5-token prompt, output appended (6 tokens). Step k: 1 token
+    # + 1 draft, main tokens 5 + 2 = 7 (running slot 1), awaiting its verify. Step k + 1 is planned
+    # before that verify (async), from the optimistic 7: 1 token, main tokens 8 = slot 1's boundary.
+    # Its state may hold the rejected draft, so slot 1 must not be tagged for publication at 8
+    # (eager align tagged it, and a retire past 8 published a state one token short of its key).
+    coord = coordinator(32, mamba_spec(4, nspec=1))
+    req = Request("r", tokens(5))
+    admit(coord, req)
+    req.append_output_token_ids(9)
+    coord.retire("r", 5)
+    assert coord.allocate(req, 2, num_draft_tokens=1) is not None
+    req.num_computed_tokens = 7
+    assert coord.allocate(req, 1, num_draft_tokens=0) is not None
+    assert coord.describe("r").tables[0].positions == ()
+    coord.check_invariants()

@@ -159,7 +159,10 @@ class AlignStepsMixin(DraftsMixin):
         if num_drafts:
             t.verify_steps.append((running, num_tokens, num_drafts))
             t.had_drafts = True
-        elif self.enable_caching and num_tokens == (running + 1) * self.block_size:
+        elif self.enable_caching and num_tokens == (running + 1) * self.block_size and not t.verify_steps:
+            # A step planned while an earlier step's drafts await their verify starts from an
+            # optimistic count (async scheduling): the state it writes may include rejected
+            # drafts, so its boundary is never tagged (nothing it writes is published).
             positions[running] = num_tokens
             return
         if positions:
