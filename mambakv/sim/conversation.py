@@ -60,7 +60,7 @@ from mambakv.core.errors import MambaKVError, TraceFormatError
 from mambakv.sim.results import SimRequest
 from mambakv.sim.workloads import TRACE_BLOCK_TOKENS, RequestSpec, iter_trace_rows
 
-__all__ = ["REPLAY_MODES", "ConversationReplay", "Link", "Relation", "TraceRow", "link_requests",
+__all__ = ["REPLAY_MODES", "ConversationReplay", "chain_hooks", "prepare_replay", "Link", "Relation", "TraceRow", "link_requests",
            "read_trace_rows"]
 
 #: ``--replay`` values: the default first.
@@ -249,3 +249,22 @@ class ConversationReplay:
             raise MambaKVError(f"request {sreq.request.request_id!r} is not part of this replay")
         if self._pending[i]:
             self._outputs[i] = np.array(sreq.request.all_token_ids, dtype=np.int32)
+
+
+def chain_hooks(hooks: Sequence[Callable[[SimRequest], None]]) -> Callable[[SimRequest], None]:
+    """One ``on_finish`` that calls `hooks` in order."""
+    def on_finish(sreq: SimRequest) -> None:
+        for hook in hooks:
+            hook(sreq)
+    return on_finish
+
+
+def prepare_replay(specs: Sequence[RequestSpec], path: str | Path, *, skip: int, limit: int | None,
+                   replay: str) -> tuple[Sequence[RequestSpec], ConversationReplay, list[Callable[[SimRequest], None]]]:
+    """The specs to run under `replay`, their :class:`ConversationReplay` (which checks that
+    `specs` are the trace's rows) and the finish hooks the replay needs (the parent's outputs
+    are recorded before any other hook sees the request)."""
+    conv = ConversationReplay(specs, read_trace_rows(path, skip=skip, limit=limit))
+    if replay == "conversation":
+        return conv.specs, conv, [conv.on_finish]
+    return specs, conv, []

@@ -39,7 +39,7 @@ from mambakv.core.errors import InvalidSpecError, MambaKVError
 from mambakv.events.announce import RouterAnnouncer
 from mambakv.fleet_report import FLEET_HELP, format_fleet_report
 from mambakv.groups import group_block_hashes
-from mambakv.sim.conversation import REPLAY_MODES, ConversationReplay, read_trace_rows
+from mambakv.sim.conversation import REPLAY_MODES, chain_hooks, prepare_replay
 from mambakv.sim.fleet_result import FleetResult, percentile, write_fleet_plot
 from mambakv.sim.results import SimRequest
 from mambakv.sim.router import DEFAULT_LOAD_BOUND, ROUTERS, DynamoIndex, PrefixIndex, RouterKind, choose, least_loaded
@@ -255,15 +255,10 @@ def run_fleet(path: str | Path, model: str | Path = DEFAULT_MODEL, *, instances:
         raise InvalidSpecError(f"unknown router {router!r}; known: {', '.join(ROUTERS)}")
     if specs is None:
         specs = load_trace(path, limit=limit, max_output_tokens=max_output_tokens, skip=skip)
-    conv = ConversationReplay(specs, read_trace_rows(path, skip=skip, limit=limit))
-    hooks: list[Callable[[SimRequest], None]] = [] if on_finish is None else [on_finish]
-    if replay == "conversation":
-        specs = conv.specs
-        hooks.insert(0, conv.on_finish)
-
-    def finished(sreq: SimRequest) -> None:
-        for hook in hooks:
-            hook(sreq)
+    specs, conv, hooks = prepare_replay(specs, path, skip=skip, limit=limit, replay=replay)
+    if on_finish is not None:
+        hooks.append(on_finish)
+    finished = chain_hooks(hooks)
 
     base = build_coordinator(model, memory_gib, num_blocks=num_blocks, max_num_seqs=max_num_seqs)
     kv = router == RouterKind.KV.value  # the kv router reads each instance's KV events

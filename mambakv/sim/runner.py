@@ -19,7 +19,7 @@ from mambakv.core.errors import InvalidSpecError, InvalidTokenCountError
 from mambakv.core.spec import KVCacheConfig
 from mambakv.models import build_kv_cache_config, load_model
 from mambakv.sim.causes import HitCauses
-from mambakv.sim.conversation import REPLAY_MODES, ConversationReplay, read_trace_rows
+from mambakv.sim.conversation import REPLAY_MODES, chain_hooks, prepare_replay
 from mambakv.sim.metrics import SimMetrics
 from mambakv.sim.scheduler import Scheduler, SimRequest
 from mambakv.sim.workloads import RequestSpec, conversations, load_trace, long_prefill
@@ -222,19 +222,11 @@ def run_trace(path: str | Path, model: str | Path = DEFAULT_MODEL, *, memory_gib
                               max_num_seqs=max_num_seqs)
     if specs is None:
         specs = load_trace(path, limit=limit, max_output_tokens=max_output_tokens, skip=skip)
-    rows = read_trace_rows(path, skip=skip, limit=limit)
-    conv = ConversationReplay(specs, rows)  # checks that specs are the trace's
-    causes = HitCauses(specs, conv.links)
-    hooks = [causes.on_finish] + ([kwargs["on_finish"]] if kwargs.get("on_finish") else [])
-    if replay == "conversation":
-        specs = conv.specs
-        hooks.insert(0, conv.on_finish)
-
-    def on_finish(sreq: SimRequest) -> None:
-        for hook in hooks:
-            hook(sreq)
-
-    kwargs["on_finish"] = on_finish
+    strict_specs = specs
+    specs, conv, hooks = prepare_replay(specs, path, skip=skip, limit=limit, replay=replay)
+    causes = HitCauses(strict_specs, conv.links)
+    hooks += [causes.on_finish] + ([kwargs["on_finish"]] if kwargs.get("on_finish") else [])
+    kwargs["on_finish"] = chain_hooks(hooks)
     settings = {"workload": "trace", "trace": str(path), "model": str(model), "memory_gib": memory_gib,
                 "mamba_policy": mamba_policy, "replay": replay, "skip": skip,
                 "limit": limit, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
