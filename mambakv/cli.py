@@ -26,6 +26,7 @@ from mambakv import __version__
 from mambakv.cli_args import COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, PROBABILITY, Parser, progress
 from mambakv.cli_fleet import FLEET_INDEXES, FLEET_LOAD_BOUND, FLEET_ROUTERS, add_fleet_arguments, run_fleet_command
 from mambakv.core.errors import MambaKVError
+from mambakv.models.kv_config import DEFAULT_PAGE_TOKENS, LAYOUTS
 from mambakv.plot import PLOT_SUFFIXES, check_plot_path, merge_identical_groups, plot_series, write_plot
 from mambakv.report import GIB, MIB, REPORT_HELP, format_report
 
@@ -66,10 +67,15 @@ def _add_common(p: argparse.ArgumentParser, *, in_flight: int, spec_tokens: int)
     p.add_argument("--in-flight", type=COUNT, default=in_flight,
                    help=f"async lag: steps whose results are not processed yet (default {in_flight})")
     p.add_argument("--use-eagle", action="store_true", help="EAGLE/MTP back-off of prefix hits")
+    p.add_argument("--layout", choices=LAYOUTS, default="decoupled",
+                   help="memory layout: decoupled (small attention pages and state slots on one byte budget; "
+                        "default) or unified (vLLM 0.33's one page size, bit for bit)")
+    p.add_argument("--page-tokens", type=POSITIVE_INT, default=DEFAULT_PAGE_TOKENS,
+                   help=f"attention page of the decoupled layout, tokens (a multiple of 16; default {DEFAULT_PAGE_TOKENS})")
     p.add_argument("--decode-checkpoints", choices=("none", "every", "latest"), default=None,
                    help="decode-boundary states of the Mamba groups: every (eager align, a block per boundary; "
-                        "default), latest (running state in place, a spare near a boundary only if free without "
-                        "eviction, published once settled), none (no decode-boundary state)")
+                        "the unified default), none (no decode-boundary state; the decoupled default), latest (running state in place, a spare near a boundary only if free without "
+                        "eviction, published once settled)")
     p.add_argument("--mamba-policy", choices=("eager", "lazy", "lazy-evict"), default=None,
                    help="alias (0.x): eager = --decode-checkpoints every, lazy = latest, lazy-evict = latest with "
                         "spares that may evict a cached block (a benchmark knob)")
@@ -134,26 +140,33 @@ def _blocks_needed(model: str, tokens: int, args: argparse.Namespace) -> tuple[i
     draft states per Mamba group (steps in flight wait instead of needing more).  Measured
     against the scheduler on Qwen3-Next (block 544, 1 + 3 groups): the 480,035-token replay runs
     in 905 blocks and not in 904 (K = 5, 2 in flight), in 890 and not 889 with K = 0 and none
-    in flight.
+    in flight. Decoupled: ``cdiv(1 + attention groups x ceil((tokens + K) / page), k)`` page
+    superblocks plus one superblock per state slot.
     """
     from mambakv.models import load_model, plan_pages
+    from mambakv.models.kv_config import plan_superblocks
 
     plan = plan_pages(load_model(model))
     k = args.num_speculative_tokens
+    if args.layout == "decoupled" and plan.attention_groups:
+        # superblocks: the pages (null page included) in whole superblocks, one per state slot
+        geo = plan_superblocks(load_model(model), 1 << 62, page_tokens=args.page_tokens)
+        pages = 1 + len(plan.attention_groups) * -(-(tokens + k) // args.page_tokens)
+        return (-(-pages // geo.pages_per_superblock) + len(plan.mamba_groups) * (2 + k)), geo.superblock_bytes
     blocks = (1 + len(plan.attention_groups) * -(-(tokens + k) // plan.block_size)
               + len(plan.mamba_groups) * (2 + k))
     return blocks, plan.bytes_per_block
 
 
-def _mamba_policy(args: argparse.Namespace) -> str:
+def _mamba_policy(args: argparse.Namespace) -> str | None:
     """``--decode-checkpoints``, or the ``--mamba-policy`` alias (eager -> every, lazy -> latest,
-    lazy-evict -> latest-evict); both given must agree."""
+    lazy-evict -> latest-evict); both given must agree. None: the layout's default."""
     alias = {"eager": "every", "lazy": "latest", "lazy-evict": "latest-evict"}.get(args.mamba_policy or "")
     chosen = args.decode_checkpoints
     if alias is not None and chosen is not None and alias.split("-")[0] != chosen:
         raise SystemExit(f"mambakv: error: --mamba-policy {args.mamba_policy} means --decode-checkpoints "
                          f"{alias.split('-')[0]}, not {chosen}")
-    return alias or chosen or "every"
+    return alias or chosen
 
 
 # --------------------------------------------------------------------------- commands
@@ -171,7 +184,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     common = dict(max_num_batched_tokens=args.max_num_batched_tokens, num_speculative_tokens=args.num_speculative_tokens,
                   in_flight=args.in_flight, memory_gib=args.memory_gib, use_eagle=args.use_eagle, seed=args.seed,
                   acceptance_rate=args.acceptance_rate, step_ms=args.step_ms, ms_per_token=args.ms_per_token,
-                  mamba_policy=_mamba_policy(args))
+                  mamba_policy=_mamba_policy(args), layout=args.layout, page_tokens=args.page_tokens)
     bar = None
     specs: list[RequestSpec] | None = None
     result: SimResult
@@ -205,7 +218,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             raise
         blocks, per_block = need
         gib = math.ceil(blocks * per_block / GIB * 100) / 100
-        raise BudgetTooSmallError(f"{e}; the longest request ({longest:,} tokens) needs about {blocks:,} blocks "
+        unit = "superblocks" if args.layout == "decoupled" else "blocks"
+        raise BudgetTooSmallError(f"{e}; the longest request ({longest:,} tokens) needs about {blocks:,} {unit} "
                                   f"of {per_block / MIB:.2f} MiB: --memory-gib {gib:.2f} or more") from None
     finally:
         if bar is not None:

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 from mambakv.coordinator_queries import CoordinatorQueries
 from mambakv.coordinator_results import CoordinatorResults
+from mambakv.core.arena import SuperblockArena
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
 from mambakv.core.errors import (
@@ -33,7 +34,7 @@ from mambakv.core.errors import (
     as_count,
 )
 from mambakv.core.request import Request
-from mambakv.core.spec import KVCacheConfig
+from mambakv.core.spec import KVCacheConfig, KVCacheSpec, MambaSpec
 from mambakv.groups import MambaManager, SingleTypeKVCacheManager, make_manager
 from mambakv.hits import PrefixCacheStats, PrefixHitFinder
 from mambakv.plans import KVCacheBlocks
@@ -105,10 +106,19 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries):
         self.kv_cache_config = kv_cache_config
         self.enable_caching = enable_caching
         self.use_eagle = use_eagle
-        self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching, enable_kv_cache_events)
+        #: the decoupled layout's superblocks (None: unified, one pool for every group)
+        self.arena: SuperblockArena | None = None
+        if kv_cache_config.superblocks is None:
+            self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching, enable_kv_cache_events)
+            #: the pool of the Mamba groups' state blocks (``block_pool`` itself when unified)
+            self.state_block_pool = self.block_pool
+        else:
+            self.arena = SuperblockArena(kv_cache_config.superblocks, enable_caching=enable_caching,
+                                         enable_kv_cache_events=enable_kv_cache_events)
+            self.block_pool, self.state_block_pool = self.arena.pages, self.arena.slots
         self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
-            make_manager(g.kv_cache_spec, self.block_pool, enable_caching=enable_caching, kv_cache_group_id=i,
-                         max_num_seqs=max_num_seqs, spare_may_evict=lazy_spare_may_evict)
+            make_manager(g.kv_cache_spec, self.pool_of(g.kv_cache_spec), enable_caching=enable_caching,
+                         kv_cache_group_id=i, max_num_seqs=max_num_seqs, spare_may_evict=lazy_spare_may_evict)
             for i, g in enumerate(groups)
         )
         self.mamba_managers = tuple(m for m in self.managers if isinstance(m, MambaManager))
@@ -126,7 +136,9 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries):
         self._empty_blocks = KVCacheBlocks(tuple([] for _ in self.managers))
         #: hits must end on a multiple of every group's block size
         self.alignment_tokens = math.lcm(*sizes)
-        self._hits = PrefixHitFinder(self.managers, self.block_pool, self.alignment_tokens)
+        self._hits = PrefixHitFinder(self.managers, self.alignment_tokens)
+        #: per policy, True when it takes state slots (counted against ``state_block_pool``)
+        self._takes_slots = tuple(m.block_pool is not self.block_pool for m in self.policies)
         #: request id -> its one RequestState (tables, thresholds), for requests that hold blocks
         self._live: dict[str, RequestState] = {}
         #: per group, blocks the tables gained since the last new_step / take_step_plan
@@ -223,13 +235,21 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries):
             policy_hits: Sequence[Sequence[Sequence[KVCacheBlock]]] = self._policy_no_hits
         else:
             policy_hits = [[hits[g] for g in cols] for cols in columns]
+        room: tuple[int, int] | None = None  # decoupled: (pages, slots) the step pops
         # count
         if live is None or num_tokens + num_lookahead_tokens > live.num_covered:
-            need = 0
-            for p, ph in zip(policies, policy_hits):
-                need += p.count_columns(rid, num_tokens, ph, num_computed, num_lookahead_tokens)
-            if need > self.block_pool.free_block_queue.num_free_blocks:
-                return None
+            if self.arena is None:
+                need = 0
+                for p, ph in zip(policies, policy_hits):
+                    need += p.count_columns(rid, num_tokens, ph, num_computed, num_lookahead_tokens)
+                if need > self.block_pool.free_block_queue.num_free_blocks:
+                    return None
+            else:
+                need_pages, need_slots = self._count_pools(rid, num_tokens, policy_hits, num_computed,
+                                                           num_lookahead_tokens)
+                if not self.arena.can_supply(need_pages, need_slots, (b for h in hits for b in h)):
+                    return None
+                room = (need_pages, need_slots)
         # commit
         if live is None:
             live = self._live[rid] = RequestState(request, tuple(p.table(rid) for p in policies), num_tokens)
@@ -240,8 +260,14 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries):
             # Pin every group's hits before any group takes a new block: new blocks come off the
             # queue head, which may be another group's hit still in the queue (it would be
             # evicted and end up in two tables).
+            free_before = self.block_pool.get_num_free_blocks(), self.state_block_pool.get_num_free_blocks()
             for p, ph in zip(policies, policy_hits):
                 p.add_hits(rid, ph)
+            if room is not None:  # touched hits came off the free queues: they are not popped
+                room = (room[0] - free_before[0] + self.block_pool.get_num_free_blocks(),
+                        room[1] - free_before[1] + self.state_block_pool.get_num_free_blocks())
+        if room is not None:
+            self.arena.make_room(*room)  # type: ignore[union-attr]
         new_blocks: list[list[KVCacheBlock]] = [[] for _ in self.managers]
         any_new = False
         for p, cols in zip(policies, columns):
@@ -271,6 +297,18 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries):
             self._copies_pending = self._zeros_pending = True
         # Most decode steps need no block: hand out one shared empty result (do not mutate it).
         return KVCacheBlocks(tuple(new_blocks)) if any_new else self._empty_blocks
+
+    def pool_of(self, spec: KVCacheSpec) -> BlockPool:
+        """The pool a group of `spec` takes blocks from: ``state_block_pool`` for Mamba specs."""
+        return self.state_block_pool if isinstance(spec, MambaSpec) else self.block_pool
+
+    def _count_pools(self, rid: str, num_tokens: int, policy_hits: Sequence[Sequence[Sequence[KVCacheBlock]]],
+                     num_computed: int, num_lookahead_tokens: int) -> tuple[int, int]:
+        """(pages, slots) the step takes, free hit blocks included (the decoupled count)."""
+        need = [0, 0]
+        for p, ph, slot in zip(self.policies, policy_hits, self._takes_slots):
+            need[slot] += p.count_columns(rid, num_tokens, ph, num_computed, num_lookahead_tokens)
+        return need[0], need[1]
 
     def _count_admission(self, request: Request, num_hit_tokens: int) -> None:
         """PrefixCacheStats: once per admission; a Request seen before is a resumed preemption."""

@@ -3,6 +3,9 @@ drains, read-only views and invariants. Nothing here allocates or frees a block.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from mambakv.core.arena import SuperblockArena
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
 from mambakv.core.errors import InvalidRequestError, as_count
@@ -20,6 +23,8 @@ class CoordinatorQueries:
     policies: tuple[SingleTypeKVCacheManager, ...]
     mamba_managers: tuple[MambaManager, ...]
     block_pool: BlockPool
+    state_block_pool: BlockPool
+    arena: SuperblockArena | None
     hash_block_size: int
     enable_caching: bool
     use_eagle: bool
@@ -35,6 +40,10 @@ class CoordinatorQueries:
     max_model_len: int
     _columns: tuple[tuple[int, ...], ...]
     _no_hits: tuple[tuple[()], ...]
+
+    def _count_pools(self, rid: str, num_tokens: int, policy_hits: Sequence[Sequence[Sequence[KVCacheBlock]]],
+                     num_computed: int, num_lookahead_tokens: int) -> tuple[int, int]:
+        raise NotImplementedError  # KVCacheCoordinator._count_pools
 
     # ------------------------------------------------------------------ prefix hits
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
@@ -161,7 +170,46 @@ class CoordinatorQueries:
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; False (nothing changed) while any block is in use. To reset
         with requests running, call ``preempt_all()`` first."""
-        return bool(self.block_pool.reset_prefix_cache())
+        pools = self.pools
+        if any(p.get_num_free_blocks() != p.num_blocks - 1 - p.num_reserved_blocks for p in pools):
+            return False  # all or nothing: check every pool before dropping any hash
+        return all([bool(p.reset_prefix_cache()) for p in pools])
+
+    @property
+    def pools(self) -> tuple[BlockPool, ...]:
+        """Every pool: ``(block_pool,)`` unified; ``(block_pool, state_block_pool)`` (pages,
+        state slots) decoupled."""
+        if self.state_block_pool is self.block_pool:
+            return (self.block_pool,)
+        return (self.block_pool, self.state_block_pool)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the cache memory in tables: ``block_pool.usage`` unified; decoupled, the
+        arena's bytes in held pages and slots over its budget (``arena.usage``)."""
+        return self.block_pool.usage if self.arena is None else self.arena.usage
+
+    def can_allocate(self, request: Request, num_new_tokens: int, *, num_new_computed_tokens: int = 0,
+                     new_computed_blocks: KVCacheBlocks | None = None, num_lookahead_tokens: int = 0) -> bool:
+        """Whether ``allocate`` with these arguments would find room now (its own count; free hit
+        blocks included), in either layout. Read-only; pins and checks nothing.
+
+        Raises:
+            InvalidTokenCountError: a negative or non-int count.
+        """
+        if self.arena is None:
+            need = self.num_blocks_needed(request, num_new_tokens, num_new_computed_tokens=num_new_computed_tokens,
+                                          new_computed_blocks=new_computed_blocks,
+                                          num_lookahead_tokens=num_lookahead_tokens)
+            return need <= self.block_pool.get_num_free_blocks()
+        num_new_tokens = as_count(num_new_tokens, "num_new_tokens")
+        num_computed = request.num_computed_tokens + as_count(num_new_computed_tokens, "num_new_computed_tokens")
+        num_tokens = num_computed + num_new_tokens
+        lookahead = max(0, min(as_count(num_lookahead_tokens, "num_lookahead_tokens"), self.max_model_len - num_tokens))
+        hits = new_computed_blocks.blocks if new_computed_blocks is not None else self._no_hits
+        policy_hits = [[hits[g] for g in cols] for cols in self._columns]
+        pages, slots = self._count_pools(request.request_id, num_tokens, policy_hits, num_computed, lookahead)
+        return self.arena.can_supply(pages, slots, (b for h in hits for b in h))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Block ids of the request's table in every group (null entries are 0)."""
@@ -189,21 +237,30 @@ class CoordinatorQueries:
         number of tables holding it, and those tables are of one group; free + held ==
         num_blocks - 1; each live request's tables are its managers' and its thresholds are
         current."""
-        pool = self.block_pool
-        pool.check_invariants()
-        holders: dict[int, int] = {}
-        owner: dict[int, int] = {}
+        if self.arena is not None:
+            self.arena.check_invariants()
+        else:
+            self.block_pool.check_invariants()
+        holders: dict[tuple[int, int], int] = {}
+        owner: dict[tuple[int, int], int] = {}
         for gid, m in enumerate(self.managers):
             m.check_invariants()
             for blocks in m.req_to_blocks.values():
                 for b in blocks:
                     if not b.is_null:
-                        holders[b.block_id] = holders.get(b.block_id, 0) + 1
-                        assert owner.setdefault(b.block_id, gid) == gid, f"block {b.block_id} in two groups"
-        assert pool.num_reserved_blocks == 0, "no group reserves blocks"
-        for bid, n in holders.items():
-            assert pool.blocks[bid].ref_cnt == n, f"block {bid}: ref {pool.blocks[bid].ref_cnt} != {n} tables"
-        assert pool.get_num_free_blocks() + len(holders) == pool.num_blocks - 1, "blocks leaked"
+                        key = (b.pool_id, b.block_id)
+                        assert b.pool_id == m.block_pool.pool_id, f"block {b.block_id} of another pool in group {gid}"
+                        holders[key] = holders.get(key, 0) + 1
+                        assert owner.setdefault(key, gid) == gid, f"block {b.block_id} in two groups"
+        for pool in self.pools:
+            if self.arena is None:
+                assert pool.num_reserved_blocks == 0, "no group reserves blocks"
+            held = 0
+            for (pid, bid), n in holders.items():
+                if pid == pool.pool_id:
+                    held += 1
+                    assert pool.blocks[bid].ref_cnt == n, f"block {bid}: ref {pool.blocks[bid].ref_cnt} != {n} tables"
+            assert pool.get_num_free_blocks() + held + pool.num_reserved_blocks == pool.num_blocks - 1, "blocks leaked"
         for rid, live in self._live.items():
             assert live.request.request_id == rid and live.num_scheduled > 0, f"{rid}: bad live entry"
             for m, t in zip(self.policies, live.tables):

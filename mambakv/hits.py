@@ -53,21 +53,20 @@ class _LookupGroup:
     manager_class: type[SingleTypeKVCacheManager]
     group_ids: list[int]
     spec: object = field(repr=False)
+    pool: BlockPool = field(repr=False)
 
 
 class PrefixHitFinder:
-    """Finds the hits of a request in every group of one pool.
+    """Finds the hits of a request in every group (each in its manager's pool: one shared pool
+    in the unified layout; pages and state slots in the decoupled one).
 
     Args:
         managers: one manager per group, config order.
-        block_pool: the pool they share.
         alignment_tokens: hits end on a multiple of this (the LCM of the block sizes).
     """
 
-    def __init__(self, managers: Sequence[SingleTypeKVCacheManager], block_pool: BlockPool,
-                 alignment_tokens: int) -> None:
+    def __init__(self, managers: Sequence[SingleTypeKVCacheManager], alignment_tokens: int) -> None:
         self.managers = tuple(managers)
-        self.block_pool = block_pool
         self.alignment_tokens = alignment_tokens
         self._lookup_groups = self._make_lookup_groups()
 
@@ -76,11 +75,11 @@ class PrefixHitFinder:
         out: list[_LookupGroup] = []
         for gid, m in enumerate(self.managers):
             for lg in out:
-                if lg.manager_class is type(m) and lg.spec == m.kv_cache_spec:
+                if lg.manager_class is type(m) and lg.spec == m.kv_cache_spec and lg.pool is m.block_pool:
                     lg.group_ids.append(gid)
                     break
             else:
-                out.append(_LookupGroup(type(m), [gid], m.kv_cache_spec))
+                out.append(_LookupGroup(type(m), [gid], m.kv_cache_spec, m.block_pool))
         out.sort(key=lambda lg: lg.manager_class.kind is not GroupKind.FULL_ATTENTION)
         return out
 
@@ -105,7 +104,7 @@ class PrefixHitFinder:
             lg = groups[i % n]
             bs = lg.spec.block_size  # type: ignore[attr-defined]
             found = lg.manager_class.find_longest_cache_hit(
-                group_block_hashes(request, bs), length, lg.group_ids, self.block_pool, lg.spec,  # type: ignore[arg-type]
+                group_block_hashes(request, bs), length, lg.group_ids, lg.pool, lg.spec,  # type: ignore[arg-type]
                 self.alignment_tokens)
             for gid, blocks in zip(lg.group_ids, found):
                 hits[gid] = blocks
@@ -128,7 +127,7 @@ class PrefixHitFinder:
         for lg in attention:
             bs = lg.spec.block_size  # type: ignore[attr-defined]
             found = lg.manager_class.find_longest_cache_hit(
-                group_block_hashes(request, bs), length, lg.group_ids, self.block_pool, lg.spec,  # type: ignore[arg-type]
+                group_block_hashes(request, bs), length, lg.group_ids, lg.pool, lg.spec,  # type: ignore[arg-type]
                 align)
             length = min(length, len(found[0]) * bs // align * align)
             if length == 0:
@@ -154,8 +153,8 @@ class PrefixHitFinder:
         if not num_hit_tokens and not any(hits):
             return [()] * len(self.managers)
         rid = request.request_id
-        pool_blocks = self.block_pool.blocks
         for gid, (m, hit) in enumerate(zip(self.managers, hits)):
+            pool_blocks = m.block_pool.blocks
             if len(hit) * m.block_size != num_hit_tokens:
                 raise InvalidBlockError(
                     f"group {gid}: {len(hit)} hit blocks of {m.block_size} tokens do not cover the "

@@ -51,7 +51,7 @@ def test_replay_table_lists_groups_and_steps(capsys):
 
 def test_trace_json_keys_and_exact_hit(tmp_path, capsys):
     p = write_trace(tmp_path / "t.jsonl", ROWS)
-    assert main(["trace", str(p), "--one-at-a-time", "--json", "--quiet"]) == 0
+    assert main(["trace", str(p), "--one-at-a-time", "--json", "--quiet", "--layout", "unified"]) == 0
     d = json.loads(capsys.readouterr().out)
     for key in ("requests", "prompt_tokens", "cached_tokens", "hit_rate", "preemptions", "peak_blocks",
                 "steps", "wall_s", "library_s"):
@@ -62,6 +62,15 @@ def test_trace_json_keys_and_exact_hit(tmp_path, capsys):
     assert d["hit_rate"] == pytest.approx(1632 / 4100, abs=1e-6)
     # steps: A 2 chunks; B starts at its stop 1632 and computes 2100 - 1632 = 468 in 1 step
     assert d["preemptions"] == 0 and d["steps"] == 3
+    # The default layout, decoupled: 64-token pages and states keyed on the 64-token grid.
+    # A: stop 1999 // 64 * 64 = 1984 -> chunks [0,1984) [1984,2000), a state at 1984.
+    # B: cap 2099 // 64 * 64 = 2048; A's 31 full pages cover 1984 and the state is at 1984 -> 1984;
+    # B then stops at 2048 (its own replay boundary) and ends at 2100: 2 + 2 steps.
+    assert main(["trace", str(p), "--one-at-a-time", "--json", "--quiet"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["layout"] == "decoupled" and d["page_tokens"] == 64 and d["mamba_policy"] == "none"
+    assert d["cached_tokens"] == 1984 and d["steps"] == 4 and d["blocks_returned"]
+    assert d["arena"]["pages_per_superblock"] == 9 and d["arena"]["superblock_bytes"] == 14_155_776
 
 
 def test_chat_and_models(capsys):
@@ -249,14 +258,22 @@ def test_budget_too_small_says_how_much_is_needed(capsys):
     # (12.75 MiB) per block.  8 GiB = 642 blocks (641 usable).  The default replay (480,031 +
     # 4 tokens, K = 5) needs 1 null + ceil(480,040 / 544) = 883 KV blocks + 3 x (2 + 5) = 905
     # blocks = 12,099,256,320 B = 11.268 GiB -> "--memory-gib 11.27".
-    assert main(["replay", "--memory-gib", "8"]) == 2
+    unified = ["--layout", "unified"]
+    assert main(["replay", "--memory-gib", "8", *unified]) == 2
     err = _one_line_error(capsys)
     assert "641 blocks of the pool" in err and "needs about 905 blocks of 12.75 MiB: --memory-gib 11.27" in err
     # the figure is the real threshold: 11.27 GiB = 905.1 -> 905 blocks runs, 11.26 = 904.4 -> 904 does not
-    assert main(["replay", "--memory-gib", "11.27", "--json"]) == 0
+    assert main(["replay", "--memory-gib", "11.27", "--json", *unified]) == 0
     capsys.readouterr()
-    assert main(["replay", "--memory-gib", "11.26"]) == 2
+    assert main(["replay", "--memory-gib", "11.26", *unified]) == 2
     assert "needs about 905 blocks" in _one_line_error(capsys)
+    # Decoupled (superblocks of 9 pages of 64 tokens, 14,155,776 B): 1 null + ceil(480,040 / 64)
+    # = 7,502 pages = 834 superblocks, + 3 x (2 + 5) state slots = 855 superblocks =
+    # 12,103,188,480 B = 11.272 GiB -> "--memory-gib 11.28".
+    assert main(["replay", "--memory-gib", "8"]) == 2
+    assert "needs about 855 superblocks of 13.50 MiB: --memory-gib 11.28" in _one_line_error(capsys)
+    assert main(["replay", "--memory-gib", "11.28", "--json"]) == 0
+    capsys.readouterr()
 
 
 def test_request_beyond_max_model_len_is_rejected(tmp_path, capsys):
@@ -350,9 +367,14 @@ def test_trace_budget_hint_uses_the_longest_request_that_runs(tmp_path, capsys):
     # 3 x 2 states = 11 blocks = 147,062,784 B = 0.137 GiB -> "--memory-gib 0.14"
     big = {"timestamp": 60, "input_length": 2_097_152, "output_length": 1, "hash_ids": list(range(100, 4196))}
     p = write_trace(tmp_path / "t.jsonl", [*ROWS, big])
-    assert main(["trace", str(p), "--memory-gib", "0.05"]) == 2
+    assert main(["trace", str(p), "--memory-gib", "0.05", "--layout", "unified"]) == 2
     err = _one_line_error(capsys)
     assert "the longest request (2,101 tokens) needs about 11 blocks of 12.75 MiB: --memory-gib 0.14 or more" in err
+    # decoupled: 1 null + ceil(2,101 / 64) = 34 pages = 4 superblocks of 9, + 3 x 2 slots = 10
+    # superblocks of 14,155,776 B = 0.132 GiB -> "--memory-gib 0.14"
+    assert main(["trace", str(p), "--memory-gib", "0.05"]) == 2
+    err = _one_line_error(capsys)
+    assert "needs about 10 superblocks of 13.50 MiB: --memory-gib 0.14 or more" in err
     assert main(["trace", str(p), "--memory-gib", "0.14", "--quiet"]) == 0
     assert "requests 2/3 finished, 1 rejected;" in capsys.readouterr().out
 

@@ -241,14 +241,16 @@ def test_conversation_replay_of_the_real_trace_hits_more() -> None:
 # --------------------------------------------------------------------------- the command
 def test_cli_replay_and_skip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     p = write_trace(tmp_path / "t.jsonl", CONV_ROWS)
-    assert main(["trace", str(p), "--one-at-a-time", "--json", "--quiet", "--replay", "conversation"]) == 0
+    assert main(["trace", str(p), "--one-at-a-time", "--json", "--quiet", "--replay", "conversation",
+                 "--layout", "unified"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert (d["replay"], d["skip"], d["cached_tokens"], d["state_missing_tokens"]) == ("conversation", 0, 2176, 0)
     assert d["hit_tokens_by_cause"]["next_turn"] == 2176
     assert main(["trace", str(p), "--one-at-a-time", "--json", "--quiet", "--skip", "1"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert (d["skip"], d["requests"], d["prompt_tokens"]) == (1, 2, 3000)
-    assert main(["trace", str(p), "--one-at-a-time", "--quiet", "--skip", "1", "--replay", "conversation"]) == 0
+    assert main(["trace", str(p), "--one-at-a-time", "--quiet", "--skip", "1", "--replay", "conversation",
+                 "--layout", "unified"]) == 0
     out = capsys.readouterr().out
     assert "replay conversation (skip 1): hit tokens by cause: shared prefix 0, next turn 1,088, branch 0, " \
            "repeat 0; state missing where attention hit: 0 tokens" in out

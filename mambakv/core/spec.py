@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from mambakv.core.arena import SuperblockGeometry
 from mambakv.core.errors import InvalidSpecError
 
 #: Bytes per element of every dtype name a spec accepts.
@@ -301,12 +302,24 @@ class KVCacheGroupSpec:
 class KVCacheConfig:
     """All groups of a model over one pool of ``num_blocks`` blocks (block 0 is the null block).
 
+    With `superblocks` (the ``decoupled`` layout, :mod:`mambakv.core.arena`) attention groups
+    take pages from a page pool of ``num_blocks == superblocks.num_pages`` ids and Mamba groups
+    take state slots from a slot pool of ``superblocks.num_superblocks`` ids, both carved from
+    one byte budget; without it (``unified``, vLLM's layout) every group shares one pool.
+
     Raises:
-        InvalidSpecError: fewer than 2 blocks, no group, or a layer name in two groups.
+        InvalidSpecError: fewer than 2 blocks, no group, a layer name in two groups, or
+            `num_blocks` other than ``superblocks.num_pages``.
     """
 
     num_blocks: int
     kv_cache_groups: list[KVCacheGroupSpec]
+    superblocks: SuperblockGeometry | None = None
+
+    @property
+    def layout(self) -> str:
+        """``"decoupled"`` with superblocks, else ``"unified"``."""
+        return "unified" if self.superblocks is None else "decoupled"
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_blocks, int) or isinstance(self.num_blocks, bool) or self.num_blocks < 2:
@@ -324,3 +337,9 @@ class KVCacheConfig:
             if dup:
                 raise InvalidSpecError(f"layer {sorted(dup)[0]!r} is in more than one KV-cache group")
             seen.update(g.layer_names)
+        if self.superblocks is not None:
+            if not isinstance(self.superblocks, SuperblockGeometry):
+                raise InvalidSpecError(f"superblocks must be a SuperblockGeometry, got {self.superblocks!r}")
+            if self.num_blocks != self.superblocks.num_pages:
+                raise InvalidSpecError(f"num_blocks {self.num_blocks} must equal the page ids of the superblocks "
+                                       f"({self.superblocks.num_pages})")

@@ -127,8 +127,7 @@ class Admission:
         ``allocate`` makes)."""
         t = _now()
         coord = self.coord
-        need = coord.num_blocks_needed(req, req.num_tokens - hit, num_new_computed_tokens=hit, new_computed_blocks=hits)
-        ok = need <= coord.block_pool.get_num_free_blocks()
+        ok = coord.can_allocate(req, req.num_tokens - hit, num_new_computed_tokens=hit, new_computed_blocks=hits)
         self.metrics.library_s += _now() - t
         self.metrics.library_calls += 1
         return ok

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mambakv.coordinator import KVCacheCoordinator
+from mambakv.core.arena import ArenaBytes
 from mambakv.groups import MambaManager, SingleTypeKVCacheManager
 
 
@@ -91,7 +92,9 @@ class SimMetrics:
     per-step loop: scheduling, library calls, result processing), minus ``hash_s``, the
     prompts' block hashing at admission (done before the lookup, apart from both figures);
     ``pool_s`` inside ``MambaStatePool`` copies.  ``series`` samples ``(step, clock_ms, blocks per group,
-    running hit rate)`` whenever an allocation may have changed the usage.
+    running hit rate)`` whenever an allocation may have changed the usage; in the decoupled layout
+    ``byte_series`` samples the budget's bytes in pages, states and idle slot tails (fragmentation)
+    at the same times.
     """
 
     groups: list[GroupMetrics]
@@ -116,6 +119,10 @@ class SimMetrics:
     wall_s: float = 0.0
     clock_ms: float = 0.0
     series: list[tuple[int, float, tuple[int, ...], float]] = field(default_factory=list)
+    #: decoupled layout: ``(step, clock_ms, page bytes, state bytes, idle bytes)`` with ``series``
+    byte_series: list[tuple[int, float, int, int, int]] = field(default_factory=list)
+    peak_state_bytes: int = 0
+    peak_idle_bytes: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -137,11 +144,22 @@ class SimMetrics:
         for g, n in zip(self.groups, usage):
             if n > g.peak_blocks:
                 g.peak_blocks = n
-        pool = coord.block_pool
-        used = pool.num_blocks - 1 - pool.get_num_free_blocks()
+        used = 0
+        for pool in coord.pools:
+            used += pool.num_blocks - 1 - pool.get_num_free_blocks() - pool.num_reserved_blocks
         if used > self.peak_blocks:
             self.peak_blocks = used
+        if coord.arena is not None:
+            self.observe_bytes(coord.arena.bytes)
         self.series.append((self.steps, self.clock_ms, tuple(usage), self.hit_rate))
+
+    def observe_bytes(self, b: ArenaBytes) -> None:
+        """Decoupled layout: where the budget is now (pages, states, fragmentation)."""
+        self.byte_series.append((self.steps, self.clock_ms, b.pages, b.states, b.idle))
+        if b.states > self.peak_state_bytes:
+            self.peak_state_bytes = b.states
+        if b.idle > self.peak_idle_bytes:
+            self.peak_idle_bytes = b.idle
 
     def observe_mamba(self, manager: MambaManager, request_id: str) -> None:
         g = self.groups[manager.kv_cache_group_id]

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from mambakv.coordinator import KVCacheCoordinator
 from mambakv.core.errors import InvalidSpecError, InvalidTokenCountError
-from mambakv.core.spec import KVCacheConfig
+from mambakv.core.spec import KVCacheConfig, MambaSpec
 from mambakv.models import build_kv_cache_config, load_model
+from mambakv.models.kv_config import DEFAULT_PAGE_TOKENS
 from mambakv.sim.causes import HitCauses
 from mambakv.sim.conversation import REPLAY_MODES, chain_hooks, prepare_replay
 from mambakv.sim.metrics import SimMetrics
@@ -48,12 +49,15 @@ def build_coordinator(model: str | Path = DEFAULT_MODEL, memory_gib: float = 60.
                       num_speculative_tokens: int = 0, use_eagle: bool = False, enable_caching: bool = True,
                       num_blocks: int | None = None, mamba_mode: str = "align",
                       max_model_len: int = DEFAULT_MAX_MODEL_LEN, mamba_policy: str | None = None,
-                      max_num_seqs: int = 256) -> KVCacheCoordinator:
-    """A coordinator for `model` over `memory_gib` GiB (or exactly `num_blocks` blocks).
+                      max_num_seqs: int = 256, layout: str = "unified",
+                      page_tokens: int = DEFAULT_PAGE_TOKENS) -> KVCacheCoordinator:
+    """A coordinator for `model` over `memory_gib` GiB (or exactly `num_blocks` blocks; in the
+    decoupled layout, `num_blocks` superblocks).
 
     The Mamba groups get ``num_speculative_tokens`` speculative blocks. `mamba_policy`
     (``none`` / ``every`` / ``latest`` / ``latest-evict``, or an alias, see MAMBA_POLICIES)
-    sets the Mamba groups' ``decode_checkpoints`` (None: ``every``).
+    sets the Mamba groups' ``decode_checkpoints`` (None: the layout's default, ``every``
+    unified, ``none`` decoupled). `layout` and `page_tokens`: as ``build_kv_cache_config``.
 
     Raises:
         ModelConfigError: unknown model / unreadable config.
@@ -63,7 +67,8 @@ def build_coordinator(model: str | Path = DEFAULT_MODEL, memory_gib: float = 60.
     if isinstance(memory_gib, bool) or not isinstance(memory_gib, (int, float)) or not math.isfinite(memory_gib) \
             or memory_gib <= 0:
         raise InvalidSpecError(f"memory must be a finite number > 0 GiB, got {memory_gib!r}")
-    decode_checkpoints, evict = "every", False
+    decode_checkpoints: str | None = None
+    evict = False
     if mamba_policy is not None:
         if mamba_policy not in MAMBA_POLICIES:
             raise InvalidSpecError(f"unknown Mamba policy {mamba_policy!r}; known: {', '.join(MAMBA_POLICIES)}")
@@ -71,8 +76,12 @@ def build_coordinator(model: str | Path = DEFAULT_MODEL, memory_gib: float = 60.
     if not math.isfinite(memory_gib * GIB):  # 1e308 GiB: the byte count overflows a float
         raise InvalidSpecError(f"memory {memory_gib:g} GiB is too large")
     cfg = build_kv_cache_config(load_model(model), int(memory_gib * GIB), mamba_mode=mamba_mode,
-                                num_speculative_blocks=num_speculative_tokens, decode_checkpoints=decode_checkpoints)
-    if num_blocks is not None:
+                                num_speculative_blocks=num_speculative_tokens, decode_checkpoints=decode_checkpoints,
+                                layout=layout, page_tokens=page_tokens)
+    if num_blocks is not None and cfg.superblocks is not None:
+        geo = replace(cfg.superblocks, num_superblocks=num_blocks)
+        cfg = KVCacheConfig(geo.num_pages, cfg.kv_cache_groups, geo)
+    elif num_blocks is not None:
         cfg = KVCacheConfig(num_blocks, cfg.kv_cache_groups)
     if cfg.num_blocks > MAX_NUM_BLOCKS:
         src = f"{memory_gib:g} GiB" if num_blocks is None else "num_blocks"
@@ -83,6 +92,20 @@ def build_coordinator(model: str | Path = DEFAULT_MODEL, memory_gib: float = 60.
     for m in coord.mamba_managers:
         m.spare_may_evict = evict
     return coord
+
+
+def _policy_name(coord: KVCacheCoordinator, mamba_policy: str | None) -> str | None:
+    """The ``--mamba-policy`` / ``--decode-checkpoints`` name asked for, else the layout's default."""
+    if mamba_policy is not None or not coord.mamba_managers:
+        return mamba_policy
+    spec = coord.mamba_managers[0].kv_cache_spec
+    assert isinstance(spec, MambaSpec)
+    return str(spec.decode_checkpoints.value)
+
+
+def _layout_settings(coord: KVCacheCoordinator) -> dict[str, Any]:
+    cfg = coord.kv_cache_config
+    return {"layout": cfg.layout, "page_tokens": coord.managers[0].block_size if cfg.superblocks else None}
 
 
 @dataclass
@@ -104,8 +127,23 @@ class SimResult:
     def blocks_returned(self) -> bool:
         """Every block is back in the free queue (cached ones included), except the lazy
         scratch regions, which are reserved for good."""
-        pool = self.coord.block_pool
-        return pool.get_num_free_blocks() == pool.num_blocks - 1 - pool.num_reserved_blocks
+        return all(p.get_num_free_blocks() == p.num_blocks - 1 - p.num_reserved_blocks for p in self.coord.pools)
+
+    def _arena_dict(self) -> dict[str, Any]:
+        """Decoupled layout only: the budget's geometry and where its bytes went."""
+        arena, m = self.coord.arena, self.metrics
+        if arena is None:
+            return {}
+        g, b = arena.geometry, arena.bytes
+        return {"arena": {
+            "superblocks": g.num_superblocks, "pages_per_superblock": g.pages_per_superblock,
+            "page_bytes": g.page_bytes, "state_bytes": g.state_bytes, "superblock_bytes": g.superblock_bytes,
+            "conversions": arena.num_conversions,
+            "final_bytes": {"pages": b.pages, "states": b.states, "idle": b.idle, "free": b.free},
+            "peak_state_bytes": m.peak_state_bytes, "peak_idle_bytes": m.peak_idle_bytes,
+            "mean_state_bytes": _mean([x[3] for x in m.byte_series]),
+            "mean_idle_bytes": _mean([x[4] for x in m.byte_series]),
+            "state_evictions": self.coord.state_block_pool.num_evictions}}
 
     def to_dict(self) -> dict[str, Any]:
         m, coord = self.metrics, self.coord
@@ -151,8 +189,13 @@ class SimResult:
             "step_us": round(m.step_net_s * 1e6 / m.steps, 2) if m.steps else 0.0,
             "hash_ms": round(m.hash_s * 1e3, 3),
             "blocks_returned": self.blocks_returned,
+            **self._arena_dict(),
             **self.extra,
         }
+
+
+def _mean(values: Sequence[int]) -> int:
+    return round(sum(values) / len(values)) if values else 0
 
 
 def run_workload(coord: KVCacheCoordinator, specs: Sequence[RequestSpec], *, one_at_a_time: bool = False,
@@ -173,8 +216,8 @@ def run_workload(coord: KVCacheCoordinator, specs: Sequence[RequestSpec], *, one
 
 def run_replay(model: str | Path = DEFAULT_MODEL, *, prompt_tokens: int = 480_031, output_tokens: int = 4,
                max_num_batched_tokens: int = 8192, num_speculative_tokens: int = 5, in_flight: int = 2,
-               memory_gib: float = 60.0, use_eagle: bool = False, seed: int = 0, mamba_policy: str = "eager",
-               **kwargs: Any) -> SimResult:
+               memory_gib: float = 60.0, use_eagle: bool = False, seed: int = 0, mamba_policy: str | None = None,
+               layout: str = "unified", page_tokens: int = DEFAULT_PAGE_TOKENS, **kwargs: Any) -> SimResult:
     """One long prefill (default 480,031 tokens) then a few decode steps, DESIGN.md 5.1's replay.
 
     With the defaults each Mamba group's request peaks at ``2 + 5 + 2 = 9`` blocks.
@@ -186,8 +229,10 @@ def run_replay(model: str | Path = DEFAULT_MODEL, *, prompt_tokens: int = 480_03
         raise InvalidTokenCountError(f"prompt {prompt_tokens:,} + output {output_tokens:,} tokens exceed "
                                      f"max_model_len {DEFAULT_MAX_MODEL_LEN:,}")
     coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens, use_eagle=use_eagle,
-                              mamba_policy=mamba_policy, max_num_seqs=kwargs.get("max_num_seqs", 256))
-    settings = {"workload": "replay", "model": str(model), "memory_gib": memory_gib, "mamba_policy": mamba_policy,
+                              mamba_policy=mamba_policy, max_num_seqs=kwargs.get("max_num_seqs", 256),
+                              layout=layout, page_tokens=page_tokens)
+    settings = {"workload": "replay", "model": str(model), "memory_gib": memory_gib,
+                "mamba_policy": _policy_name(coord, mamba_policy), **_layout_settings(coord),
                 "prompt_tokens_requested": prompt_tokens, "output_tokens_requested": output_tokens,
                 "max_num_batched_tokens": max_num_batched_tokens,
                 "num_speculative_tokens": num_speculative_tokens, "in_flight": in_flight}
@@ -200,8 +245,9 @@ def run_trace(path: str | Path, model: str | Path = DEFAULT_MODEL, *, memory_gib
               limit: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
               num_speculative_tokens: int = 0, in_flight: int = 0, one_at_a_time: bool = False,
               use_eagle: bool = False, max_output_tokens: int | None = None, num_blocks: int | None = None,
-              seed: int = 0, specs: Sequence[RequestSpec] | None = None, mamba_policy: str = "eager",
-              replay: str = "strict", skip: int = 0, **kwargs: Any) -> SimResult:
+              seed: int = 0, specs: Sequence[RequestSpec] | None = None, mamba_policy: str | None = None,
+              replay: str = "strict", skip: int = 0, layout: str = "unified", page_tokens: int = DEFAULT_PAGE_TOKENS,
+              **kwargs: Any) -> SimResult:
     """A Mooncake JSONL trace (first `limit` requests after the first `skip` lines) through the scheduler.
 
     `replay`: ``"strict"`` (equal ids = equal tokens) or ``"conversation"`` (a next turn begins
@@ -219,7 +265,7 @@ def run_trace(path: str | Path, model: str | Path = DEFAULT_MODEL, *, memory_gib
         raise InvalidSpecError(f"unknown replay {replay!r}; known: {', '.join(REPLAY_MODES)}")
     coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens,
                               use_eagle=use_eagle, num_blocks=num_blocks, mamba_policy=mamba_policy,
-                              max_num_seqs=max_num_seqs)
+                              max_num_seqs=max_num_seqs, layout=layout, page_tokens=page_tokens)
     if specs is None:
         specs = load_trace(path, limit=limit, max_output_tokens=max_output_tokens, skip=skip)
     strict_specs = specs
@@ -228,7 +274,8 @@ def run_trace(path: str | Path, model: str | Path = DEFAULT_MODEL, *, memory_gib
     hooks += [causes.on_finish] + ([kwargs["on_finish"]] if kwargs.get("on_finish") else [])
     kwargs["on_finish"] = chain_hooks(hooks)
     settings = {"workload": "trace", "trace": str(path), "model": str(model), "memory_gib": memory_gib,
-                "mamba_policy": mamba_policy, "replay": replay, "skip": skip,
+                "mamba_policy": _policy_name(coord, mamba_policy), **_layout_settings(coord), "replay": replay,
+                "skip": skip,
                 "limit": limit, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                 "num_speculative_tokens": num_speculative_tokens, "in_flight": in_flight,
                 "one_at_a_time": one_at_a_time}
@@ -246,13 +293,16 @@ def run_conversations(model: str | Path = DEFAULT_MODEL, *, num_conversations: i
                       memory_gib: float = 60.0, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                       num_speculative_tokens: int = 0, in_flight: int = 0, one_at_a_time: bool = False,
                       use_eagle: bool = False, seed: int = 0, specs: Sequence[RequestSpec] | None = None,
-                      mamba_policy: str = "eager", **kwargs: Any) -> SimResult:
+                      mamba_policy: str | None = None, layout: str = "unified",
+                      page_tokens: int = DEFAULT_PAGE_TOKENS, **kwargs: Any) -> SimResult:
     """Multi-turn chats (:func:`~mambakv.sim.workloads.conversations`) through the scheduler."""
     coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens, use_eagle=use_eagle,
-                              mamba_policy=mamba_policy, max_num_seqs=max_num_seqs)
+                              mamba_policy=mamba_policy, max_num_seqs=max_num_seqs, layout=layout,
+                              page_tokens=page_tokens)
     if specs is None:
         specs = conversations(num_conversations, turns, seed=seed)
-    settings = {"workload": "chat", "model": str(model), "memory_gib": memory_gib, "mamba_policy": mamba_policy,
+    settings = {"workload": "chat", "model": str(model), "memory_gib": memory_gib,
+                "mamba_policy": _policy_name(coord, mamba_policy), **_layout_settings(coord),
                 "conversations": num_conversations, "turns": turns, "max_num_seqs": max_num_seqs,
                 "max_num_batched_tokens": max_num_batched_tokens,
                 "num_speculative_tokens": num_speculative_tokens, "in_flight": in_flight,

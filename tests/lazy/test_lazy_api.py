@@ -59,7 +59,8 @@ def test_cli_decode_checkpoints_and_the_mamba_policy_alias(capsys):
             "--max-num-seqs", "4", "--json", "--quiet"]
     for flags, policy in ((["--mamba-policy", "eager"], "every"), (["--mamba-policy", "lazy"], "latest"),
                           (["--mamba-policy", "lazy-evict"], "latest-evict"), (["--decode-checkpoints", "none"], "none"),
-                          (["--decode-checkpoints", "latest", "--mamba-policy", "lazy"], "latest"), ([], "every")):
+                          (["--decode-checkpoints", "latest", "--mamba-policy", "lazy"], "latest"), ([], "none"),
+                          (["--layout", "unified"], "every")):
         assert main(chat + flags) == 0
         d = json.loads(capsys.readouterr().out)
         assert d["mamba_policy"] == policy and d["blocks_returned"] and d["finished"] == 6

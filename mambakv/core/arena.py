@@ -1,0 +1,285 @@
+"""SuperblockArena: attention pages and Mamba state slots carved from one byte budget.
+
+The ``decoupled`` layout (issue 14; facts in ``shared/CACHE.md``). Memory is
+``num_superblocks`` superblocks of ``k`` attention pages each; a superblock is at any time
+
+=========  =========================================================================
+FREE       lent to no pool (all its page ids and its slot id are withdrawn)
+PAGES      lent to the page pool: ``k`` page ids (superblock 0 always: it holds the null page)
+SLOT       lent to the slot pool: one state slot id, ``k x page_bytes - state_bytes`` bytes idle
+=========  =========================================================================
+
+Page id ``p`` lies at byte ``p x page_bytes`` and slot id ``s`` at ``s x superblock_bytes`` of the
+raw tensors, so both are plain strided views (``mambakv.device.decoupled``). There is no static
+split: a superblock moves between the pools when the allocation in hand needs it.
+
+Which memory an allocation takes (``make_room``; plain LRU across both kinds, by the tick at which
+a block last became free, ``ArenaPool.freed_at``)::
+
+    slot needed:  an unhashed free slot  > a FREE superblock  > the older of
+                  (the LRU cached slot, the oldest all-free page superblock: its k pages go)
+    page needed:  an unhashed free page  > a FREE superblock  > the older of
+                  (the LRU cached page, the LRU free slot beyond this step's slot needs)
+
+A page superblock converts to a slot only when none of its pages is in a table, so no live
+page is ever lost; a slot converts to pages only when it is free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from mambakv.core.arena_pool import ArenaClock, ArenaPool
+from mambakv.core.block import KVCacheBlock
+from mambakv.core.errors import InvalidSpecError, OutOfBlocksError
+
+__all__ = ["ArenaBytes", "SuperblockArena", "SuperblockGeometry"]
+
+FREE, PAGES, SLOT = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class SuperblockGeometry:
+    """Byte geometry of the decoupled layout (one rank).
+
+    Attributes:
+        num_superblocks: superblocks in the budget (>= 2; superblock 0 holds the null page).
+        pages_per_superblock: ``k = cdiv(state_bytes, page_bytes)`` attention pages.
+        page_bytes: bytes of one page id (every attention layer of a group, all raw tensors).
+        state_bytes: bytes one state slot uses (every layer of one Mamba group), <= ``k x page_bytes``.
+
+    Raises:
+        InvalidSpecError: a non-positive field, fewer than 2 superblocks, or a state that does not
+            fit in ``k`` pages.
+    """
+
+    num_superblocks: int
+    pages_per_superblock: int
+    page_bytes: int
+    state_bytes: int
+
+    def __post_init__(self) -> None:
+        for name in ("pages_per_superblock", "page_bytes", "state_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InvalidSpecError(f"{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.num_superblocks, int) or self.num_superblocks < 2:
+            raise InvalidSpecError(f"num_superblocks must be an int >= 2 (superblock 0 holds the null page), "
+                                   f"got {self.num_superblocks!r}")
+        if self.state_bytes > self.superblock_bytes:
+            raise InvalidSpecError(f"a {self.state_bytes} B state does not fit in {self.pages_per_superblock} pages "
+                                   f"of {self.page_bytes} B")
+
+    @property
+    def superblock_bytes(self) -> int:
+        """``k x page_bytes``: what one superblock costs."""
+        return self.pages_per_superblock * self.page_bytes
+
+    @property
+    def num_pages(self) -> int:
+        """Page ids, null page included: ``num_superblocks x k``."""
+        return self.num_superblocks * self.pages_per_superblock
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_superblocks * self.superblock_bytes
+
+    @property
+    def slot_idle_bytes(self) -> int:
+        """Bytes of a SLOT superblock that hold nothing (fragmentation per state slot)."""
+        return self.superblock_bytes - self.state_bytes
+
+
+@dataclass(frozen=True)
+class ArenaBytes:
+    """Where the budget is, in bytes (``SuperblockArena.bytes``): ``pages + states + idle + free
+    == total``. `idle` is the fragmentation: the unused tail of every SLOT superblock."""
+
+    pages: int
+    states: int
+    idle: int
+    free: int
+    total: int
+
+
+class SuperblockArena:
+    """The two pools of the decoupled layout and the superblocks they borrow.
+
+    Args:
+        geometry: the byte geometry.
+        enable_caching / enable_kv_cache_events: as BlockPool (both pools).
+
+    Attributes:
+        pages: the attention page pool (``geometry.num_pages`` ids).
+        slots: the Mamba state slot pool (``geometry.num_superblocks`` ids; slot 0 is null).
+        num_conversions: superblocks moved between the pools so far.
+    """
+
+    def __init__(self, geometry: SuperblockGeometry, *, enable_caching: bool = True,
+                 enable_kv_cache_events: bool = False) -> None:
+        self.geometry = g = geometry
+        self.k = g.pages_per_superblock
+        clock = ArenaClock()
+        self.pages = ArenaPool(g.num_superblocks, self.k, clock, track_convertible=True,
+                               enable_caching=enable_caching, enable_kv_cache_events=enable_kv_cache_events)
+        self.slots = ArenaPool(g.num_superblocks, 1, clock, track_convertible=False,
+                               enable_caching=enable_caching, enable_kv_cache_events=enable_kv_cache_events)
+        self.kind = [FREE] * g.num_superblocks
+        self.kind[0] = PAGES
+        self.pages.lent[0] = True
+        for sb in range(1, g.num_superblocks):
+            self.pages.withdraw(sb)
+            self.slots.withdraw(sb)
+        #: FREE superblocks, lowest id first (a stack: pop() takes the highest; ids carry no meaning)
+        self._free = list(range(g.num_superblocks - 1, 0, -1))
+        self.num_conversions = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_superblocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def bytes(self) -> ArenaBytes:
+        """Budget by use; O(1)."""
+        g = self.geometry
+        n_slot = g.num_superblocks - 1 - self.slots.num_reserved_blocks  # lent slot superblocks
+        n_free = len(self._free)
+        n_pages = g.num_superblocks - n_slot - n_free
+        return ArenaBytes(n_pages * g.superblock_bytes, n_slot * g.state_bytes, n_slot * g.slot_idle_bytes,
+                          n_free * g.superblock_bytes, g.total_bytes)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the budget in tables (held pages and slots, idle tails of held slots
+        included), null page excluded."""
+        g = self.geometry
+        held_pages = g.num_pages - 1 - self.pages.num_reserved_blocks - self.pages.get_num_free_blocks()
+        held_slots = g.num_superblocks - 1 - self.slots.num_reserved_blocks - self.slots.get_num_free_blocks()
+        return (held_pages * g.page_bytes + held_slots * g.superblock_bytes) / (g.total_bytes - g.page_bytes)
+
+    def can_supply(self, num_pages: int, num_slots: int, hits: Iterable[KVCacheBlock] = ()) -> bool:
+        """Whether ``num_pages`` pages and ``num_slots`` slots can be taken now (the counts
+        include the free hit blocks in `hits`, which the step will touch, not pop). Exact: it
+        follows make_room's sources in the order that leaves most pages. Changes nothing."""
+        k, pages, slots = self.k, self.pages, self.slots
+        hit_pages = hit_slots = 0
+        hit_sbs: set[int] = set()
+        for b in hits:
+            if b.ref_cnt or b.is_null:
+                continue
+            if b.pool_id == pages.pool_id:
+                hit_pages += 1
+                hit_sbs.add(b.block_id // k)
+            else:
+                hit_slots += 1
+        conv = len(pages.convertible) - sum(1 for sb in hit_sbs if sb in pages.convertible)
+        free_slots = slots.get_num_free_blocks() - hit_slots
+        need_slots = num_slots - hit_slots
+        from_free = min(need_slots, free_slots)
+        rest = need_slots - from_free
+        from_unlent = min(rest, len(self._free))
+        from_pages = rest - from_unlent
+        if from_pages > conv:
+            return False
+        page_room = (pages.get_num_free_blocks() - hit_pages - from_pages * k
+                     + k * (len(self._free) - from_unlent) + k * (free_slots - from_free))
+        return num_pages - hit_pages <= page_room
+
+    # ------------------------------------------------------------------ conversions
+    def make_room(self, num_pages: int, num_slots: int) -> None:
+        """Convert superblocks so that popping ``num_pages`` pages and ``num_slots`` slots from
+        the pools' heads takes, per the module's rules, the least recently used memory. Call
+        after the step's hits are touched, with the pops still to come.
+
+        Raises:
+            OutOfBlocksError: the pools cannot supply it (``can_supply`` said no); nothing is
+                converted past what was already possible.
+        """
+        self._room_for_slots(num_slots, num_pages)
+        self._room_for_pages(num_pages, num_slots)
+
+    def _room_for_slots(self, need: int, need_pages: int) -> None:
+        slots, pages, k = self.slots, self.pages, self.k
+        got, walk = 0, slots.free_block_queue.first()
+        tail = slots.free_block_queue.sentinels[1]
+        while got < need:
+            if walk is not None and walk.block_hash is None:
+                got, walk = got + 1, _next(walk, tail)
+                continue
+            if self._free:
+                self._lend_slot(self._free.pop())
+                got += 1
+                continue
+            sb = next(iter(pages.convertible), None)
+            spare_pages = pages.get_num_free_blocks() - k >= need_pages
+            if sb is not None and (walk is None or (spare_pages and pages.convertible[sb] < slots.freed_at[walk.block_id])):
+                self._pages_to_slot(sb)
+                got += 1
+                continue
+            if walk is None:
+                raise OutOfBlocksError(f"no room for {need} state slots")
+            got, walk = got + 1, _next(walk, tail)
+
+    def _room_for_pages(self, need: int, need_slots: int) -> None:
+        slots, pages, k = self.slots, self.pages, self.k
+        got, walk = 0, pages.free_block_queue.first()
+        tail = pages.free_block_queue.sentinels[1]
+        while got < need:
+            if walk is not None and walk.block_hash is None:
+                got, walk = got + 1, _next(walk, tail)
+                continue
+            if self._free:
+                self._lend_pages(self._free.pop())
+                got += k
+                continue
+            spare = slots.free_block_queue.first() if slots.get_num_free_blocks() > need_slots else None
+            if spare is not None and (walk is None or spare.block_hash is None
+                                      or slots.freed_at[spare.block_id] < pages.freed_at[walk.block_id]):
+                self._slot_to_pages(spare.block_id)
+                got += k
+                continue
+            if walk is None:
+                raise OutOfBlocksError(f"no room for {need} pages")
+            got, walk = got + 1, _next(walk, tail)
+
+    def _lend_slot(self, sb: int) -> None:
+        self.slots.lend(sb)
+        self.kind[sb] = SLOT
+        self.num_conversions += 1
+
+    def _lend_pages(self, sb: int) -> None:
+        self.pages.lend(sb)
+        self.kind[sb] = PAGES
+        self.num_conversions += 1
+
+    def _pages_to_slot(self, sb: int) -> None:
+        assert self.kind[sb] == PAGES and self.pages.superblock_is_free(sb), f"superblock {sb} has a live page"
+        self.pages.withdraw(sb)
+        self._lend_slot(sb)
+
+    def _slot_to_pages(self, sb: int) -> None:
+        assert self.kind[sb] == SLOT and self.slots.superblock_is_free(sb), f"slot {sb} is in a table"
+        self.slots.withdraw(sb)
+        self._lend_pages(sb)
+
+    # ------------------------------------------------------------------ invariants
+    def check_invariants(self) -> None:
+        """Both pools' invariants and bookkeeping; each superblock lent to exactly the pool its
+        kind says (superblock 0: pages); the FREE list is exactly the FREE superblocks."""
+        for pool in (self.pages, self.slots):
+            pool.check_invariants()
+            pool.check_arena()
+        assert self.kind[0] == PAGES and self.pages.lent[0] and not self.slots.lent[0]
+        for sb, kind in enumerate(self.kind):
+            assert self.pages.lent[sb] == (kind == PAGES), f"superblock {sb}: page pool disagrees with {kind}"
+            assert self.slots.lent[sb] == (kind == SLOT), f"superblock {sb}: slot pool disagrees with {kind}"
+        assert sorted(self._free) == [sb for sb, kind in enumerate(self.kind) if kind == FREE], "FREE list"
+        b = self.bytes
+        assert b.pages + b.states + b.idle + b.free == b.total
+
+
+def _next(block: KVCacheBlock, tail: KVCacheBlock) -> KVCacheBlock | None:
+    nxt = block.next_free_block
+    return None if nxt is tail else nxt
