@@ -87,17 +87,19 @@ class ArenaPool(BlockPool):
                 del conv[sb]
             held[sb] += 1
 
-    def _returned(self, blocks: Iterable[KVCacheBlock]) -> None:
+    def _returned(self, blocks: list[KVCacheBlock]) -> None:
         """`blocks` (some may still be held by a table) were just freed once."""
         k, held, stamp, now = self.per_superblock, self.held, self.freed_at, self.clock.now
         track, lent, conv = self.track_convertible, self.lent, self.convertible
         for b in blocks:
             if b.ref_cnt:
                 continue
-            stamp[b.block_id] = now
-            sb = b.block_id // k
-            held[sb] -= 1
-            if not held[sb] and track and lent[sb]:
+            i = b.block_id
+            stamp[i] = now
+            sb = i // k
+            h = held[sb] - 1
+            held[sb] = h
+            if not h and track and lent[sb]:
                 conv[sb] = now
 
     # ------------------------------------------------------------------ BlockPool overrides
