@@ -247,7 +247,8 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries):
             else:
                 need_pages, need_slots = self._count_pools(rid, num_tokens, policy_hits, num_computed,
                                                            num_lookahead_tokens)
-                if not self.arena.can_supply(need_pages, need_slots, (b for h in hits for b in h)):
+                if not self.arena.can_supply(need_pages, need_slots, None if hits is self._no_hits else
+                                             [b for h in hits for b in h]):
                     return None
                 room = (need_pages, need_slots)
         # commit

@@ -17,7 +17,8 @@ Which memory an allocation takes (``make_room``; plain LRU across both kinds, by
 a block last became free, ``ArenaPool.freed_at``)::
 
     slot needed:  an unhashed free slot  > a FREE superblock  > the older of
-                  (the LRU cached slot, the oldest all-free page superblock: its k pages go)
+                  (the LRU cached slot, the first all-free page superblock on the page
+                   queue's walk from its head, aged by its newest page: its k pages go)
     page needed:  an unhashed free page  > a FREE superblock  > the older of
                   (the LRU cached page, the head free slot beyond this step's slot needs,
                    unhashed or not, by the tick it was freed)
@@ -122,10 +123,10 @@ class SuperblockArena:
         self.geometry = g = geometry
         self.k = g.pages_per_superblock
         clock = ArenaClock()
-        self.pages = ArenaPool(g.num_superblocks, self.k, clock, track_convertible=True,
-                               enable_caching=enable_caching, enable_kv_cache_events=enable_kv_cache_events)
-        self.slots = ArenaPool(g.num_superblocks, 1, clock, track_convertible=False,
-                               enable_caching=enable_caching, enable_kv_cache_events=enable_kv_cache_events)
+        self.pages = ArenaPool(g.num_superblocks, self.k, clock, enable_caching=enable_caching,
+                               enable_kv_cache_events=enable_kv_cache_events)
+        self.slots = ArenaPool(g.num_superblocks, 1, clock, enable_caching=enable_caching,
+                               enable_kv_cache_events=enable_kv_cache_events)
         self.kind = [FREE] * g.num_superblocks
         self.kind[0] = PAGES
         self.pages.lent[0] = True
@@ -160,11 +161,17 @@ class SuperblockArena:
         held_slots = g.num_superblocks - 1 - self.slots.num_reserved_blocks - self.slots.get_num_free_blocks()
         return (held_pages * g.page_bytes + held_slots * g.superblock_bytes) / (g.total_bytes - g.page_bytes)
 
-    def can_supply(self, num_pages: int, num_slots: int, hits: Iterable[KVCacheBlock] = ()) -> bool:
+    def can_supply(self, num_pages: int, num_slots: int, hits: Iterable[KVCacheBlock] | None = None) -> bool:
         """Whether ``num_pages`` pages and ``num_slots`` slots can be taken now (the counts
         include the free hit blocks in `hits`, which the step will touch, not pop). Exact: it
         follows make_room's sources in the order that leaves most pages. Changes nothing."""
         k, pages, slots = self.k, self.pages, self.slots
+        if hits is None:  # a running request's step: no hit to set apart
+            free_slots = slots.free_block_queue.num_free_blocks
+            if num_slots <= free_slots:
+                return num_pages <= (pages.free_block_queue.num_free_blocks
+                                     + k * (len(self._free) + free_slots - num_slots))
+            hits = ()
         hit_pages = hit_slots = 0
         hit_sbs: set[int] = set()
         for b in hits:
@@ -175,14 +182,13 @@ class SuperblockArena:
                 hit_sbs.add(b.block_id // k)
             else:
                 hit_slots += 1
-        conv = len(pages.convertible) - sum(1 for sb in hit_sbs if sb in pages.convertible)
         free_slots = slots.get_num_free_blocks() - hit_slots
         need_slots = num_slots - hit_slots
         from_free = min(need_slots, free_slots)
         rest = need_slots - from_free
         from_unlent = min(rest, len(self._free))
         from_pages = rest - from_unlent
-        if from_pages > conv:
+        if from_pages and len(pages.find_free_superblocks(from_pages, hit_sbs)) < from_pages:
             return False
         page_room = (pages.get_num_free_blocks() - hit_pages - from_pages * k
                      + k * (len(self._free) - from_unlent) + k * (free_slots - from_free))
@@ -213,10 +219,10 @@ class SuperblockArena:
                 self._lend_slot(self._free.pop())
                 got += 1
                 continue
-            sb = next(iter(pages.convertible), None)
+            found = pages.find_free_superblocks(1)
             spare_pages = pages.get_num_free_blocks() - k >= need_pages
-            if sb is not None and (walk is None or (spare_pages and pages.convertible[sb] < slots.freed_at[walk.block_id])):
-                self._pages_to_slot(sb)
+            if found and (walk is None or (spare_pages and found[0][1] < slots.freed_at[walk.block_id])):
+                self._pages_to_slot(found[0][0])
                 got += 1
                 continue
             if walk is None:
@@ -226,9 +232,9 @@ class SuperblockArena:
     def _room_for_pages(self, need: int, need_slots: int) -> None:
         slots, pages, k = self.slots, self.pages, self.k
         tail = pages.free_block_queue.sentinels[1]
-        got, walk = 0, pages.free_block_queue.first()
-        while got < need and walk is not None and walk.block_hash is None:  # free without eviction
-            got, walk = got + 1, _next(walk, tail)
+        got, walk = 0, pages.free_block_queue.first() or tail
+        while got < need and walk is not tail and walk.block_hash is None:  # free without eviction
+            got, walk = got + 1, walk.next_free_block  # type: ignore[assignment]
         stamps = pages.freed_at
         while got < need:
             if self._free:
@@ -244,8 +250,8 @@ class SuperblockArena:
             # for the next request's state, churned superblocks and lost hits (0.0804 vs 0.0845
             # on the trace, 60 GiB, conversation replay).
             spare_at = slots.freed_at[spare.block_id]
-            while got < need and walk is not None and stamps[walk.block_id] <= spare_at:
-                got, walk = got + 1, _next(walk, tail)
+            while got < need and walk is not tail and stamps[walk.block_id] <= spare_at:
+                got, walk = got + 1, walk.next_free_block  # type: ignore[assignment]
             if got < need:
                 self._slot_to_pages(spare.block_id)
                 got += k

@@ -6,22 +6,20 @@ lives in superblock ``i // per_superblock``. A pool may use a block only while t
 lent its superblock to that pool; every other block is *withdrawn*: ref count 1, held by the
 arena, counted in ``num_reserved_blocks``, never in a table.
 
-On top of the BlockPool's rules the pool tracks, per superblock, how many of its blocks are out
-of the free queue (``held``: in a table, or withdrawn), and the clock tick at which each block
-last reached ref count 0. The arena reads both to choose what to convert::
+On top of the BlockPool's rules the pool stamps each block with the clock tick at which it
+last reached ref count 0 (``freed_at``), so that the arena can compare the age of a cached page
+with the age of a cached state. It keeps no per-superblock counts: the hot paths (pop, touch)
+are the BlockPool's own, and the arena finds an all-free page superblock by walking the free
+queue from its LRU head (:meth:`find_free_superblocks`)::
 
     superblock 7 of the page pool (k = 4):  pages 28 29 30 31
-        ref counts 0 2 0 0  -> held 1 (not convertible: page 29 is in a table)
-        free_blocks([p29])  -> held 0 -> superblock 7 joins ``convertible`` (stamped now)
-
-The overrides add one short loop per call over the blocks whose ref count crosses 0; the
-unified layout uses the plain BlockPool and pays nothing.
+        ref counts 0 2 0 0  -> not free (page 29 is in a table)
+        free_blocks([p29])  -> all four free: a candidate once the walk reaches one of them
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
@@ -46,87 +44,73 @@ class ArenaPool(BlockPool):
         num_superblocks: superblocks of the arena (>= 2).
         per_superblock: blocks per superblock (attention pages ``k``; 1 for state slots).
         clock: the arena's shared clock.
-        track_convertible: keep ``convertible`` (the page pool; the slot pool does not need it).
         enable_caching / enable_kv_cache_events: as BlockPool.
 
     Attributes:
-        held: per superblock, blocks out of the free queue (in a table or withdrawn; the null
-            block counts as held, so superblock 0 never converts).
-        freed_at: per block, the clock tick of its last return to the free queue.
-        convertible: superblocks whose blocks are all free, oldest first (the value is the
-            tick at which the last one was freed); maintained only with `track_convertible`
-            and only for superblocks the arena marks as lent (``lent``).
+        freed_at: per block, the clock tick of its last return to the free queue (or of its
+            superblock's lending).
         lent: per superblock, True while this pool may use its blocks.
     """
 
     def __init__(self, num_superblocks: int, per_superblock: int, clock: ArenaClock, *,
-                 track_convertible: bool, enable_caching: bool = True,
-                 enable_kv_cache_events: bool = False) -> None:
+                 enable_caching: bool = True, enable_kv_cache_events: bool = False) -> None:
         super().__init__(num_superblocks * per_superblock, enable_caching, enable_kv_cache_events)
         self.per_superblock = per_superblock
         self.clock = clock
-        self.track_convertible = track_convertible
-        self.held = [0] * num_superblocks
         self.freed_at = [0] * self.num_blocks
         self.lent = [False] * num_superblocks
-        self.convertible: OrderedDict[int, int] = OrderedDict()
-        self.held[0] = 1  # the null block: superblock 0 is never converted
 
     def superblock_blocks(self, sb: int) -> list[KVCacheBlock]:
         """The blocks of superblock `sb` (the null block included for superblock 0)."""
         k = self.per_superblock
         return self.blocks[sb * k:(sb + 1) * k]
 
-    # ------------------------------------------------------------------ held counts
-    def _took(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """`blocks` just left the free queue."""
-        k, held, conv = self.per_superblock, self.held, self.convertible
-        for b in blocks:
-            sb = b.block_id // k
-            if not held[sb] and sb in conv:
-                del conv[sb]
-            held[sb] += 1
-
-    def _returned(self, blocks: list[KVCacheBlock]) -> None:
-        """`blocks` (some may still be held by a table) were just freed once."""
-        k, held, stamp, now = self.per_superblock, self.held, self.freed_at, self.clock.now
-        track, lent, conv = self.track_convertible, self.lent, self.convertible
-        for b in blocks:
+    def superblock_is_free(self, sb: int) -> bool:
+        """Superblock `sb` is lent here and every block of it is in the free queue (never
+        superblock 0: it holds the null block)."""
+        if not sb or not self.lent[sb]:
+            return False
+        k = self.per_superblock
+        for b in self.blocks[sb * k:(sb + 1) * k]:
             if b.ref_cnt:
-                continue
-            i = b.block_id
-            stamp[i] = now
-            sb = i // k
-            h = held[sb] - 1
-            held[sb] = h
-            if not h and track and lent[sb]:
-                conv[sb] = now
+                return False
+        return True
 
-    # ------------------------------------------------------------------ BlockPool overrides
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        blocks = super().get_new_blocks(num_blocks)
-        self._took(blocks)
-        return blocks
+    def find_free_superblocks(self, n: int, exclude: Container[int] = ()) -> list[tuple[int, int]]:
+        """Up to `n` superblocks whose blocks are all free, found by walking the free queue from
+        its head (unhashed blocks, then the least recently freed): ``(superblock, newest
+        freed_at of its blocks)`` in walk order. Superblocks in `exclude` are skipped.
 
-    def get_new_unhashed_block(self) -> KVCacheBlock | None:
-        block = super().get_new_unhashed_block()
-        if block is not None:
-            self._took((block,))
-        return block
+        Cost: O(k) per superblock tried. Pages of one superblock are lent together, taken by
+        one table and freed together, so the walk usually stops at the first one; it is long
+        only when live pages are spread over most superblocks."""
+        out: list[tuple[int, int]] = []
+        if n <= 0:
+            return out
+        k, stamps, tried = self.per_superblock, self.freed_at, set()
+        tail = self.free_block_queue.sentinels[1]
+        block = self.free_block_queue.first()
+        while block is not None and block is not tail:
+            sb = block.block_id // k
+            if sb not in tried:
+                tried.add(sb)
+                if sb not in exclude and self.superblock_is_free(sb):
+                    out.append((sb, max(stamps[sb * k:(sb + 1) * k])))
+                    if len(out) == n:
+                        break
+            block = block.next_free_block
+        return out
 
-    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        if not isinstance(blocks, (list, tuple)):
-            blocks = list(blocks)
-        queued = [b for b in blocks if b.ref_cnt == 0 and not b.is_null]
-        super().touch(blocks)
-        self._took(queued)
-
+    # ------------------------------------------------------------------ BlockPool override
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         if type(blocks) is not list:
             blocks = list(blocks)
         self.clock.now += 1
         super().free_blocks(blocks)
-        self._returned(blocks)
+        stamp, now = self.freed_at, self.clock.now
+        for b in blocks:
+            if not b.ref_cnt:
+                stamp[b.block_id] = now
 
     # ------------------------------------------------------------------ the arena's moves
     def withdraw(self, sb: int) -> None:
@@ -140,43 +124,32 @@ class ArenaPool(BlockPool):
                 evict(b)
             b.ref_cnt = 1
         self.num_reserved_blocks += len(blocks)
-        self.held[sb] += len(blocks)
         self.lent[sb] = False
-        self.convertible.pop(sb, None)
 
     def lend(self, sb: int) -> None:
         """Put every block of the withdrawn superblock `sb` at the head of the free queue
         (unhashed: they are reused first)."""
         blocks = self.superblock_blocks(sb)
+        now = self.clock.now
         for b in blocks:
             assert b.ref_cnt == 1 and b.block_hash is None, f"block {b.block_id} is not withdrawn"
             b.ref_cnt = 0
-            self.freed_at[b.block_id] = self.clock.now
+            self.freed_at[b.block_id] = now
         self.free_block_queue.prepend_n(blocks, checked=False)
         self.num_reserved_blocks -= len(blocks)
-        self.held[sb] -= len(blocks)
         self.lent[sb] = True
-        if self.track_convertible and not self.held[sb]:
-            self.convertible[sb] = self.clock.now
-
-    def superblock_is_free(self, sb: int) -> bool:
-        """Every block of the lent superblock `sb` is in the free queue."""
-        return self.lent[sb] and not self.held[sb]
 
     def check_arena(self) -> None:
-        """Assert ``held`` and ``convertible`` match the blocks (on top of check_invariants)."""
+        """Assert the withdrawn superblocks hold only withdrawn blocks and the reserved count
+        matches them (on top of check_invariants)."""
         k = self.per_superblock
-        for sb in range(len(self.held)):
-            blocks = self.superblock_blocks(sb)
-            out = sum(1 for b in blocks if b.ref_cnt > 0 or b.is_null)
-            assert self.held[sb] == out, f"superblock {sb}: held {self.held[sb]} != {out}"
-            if not self.lent[sb] and sb:
-                assert all(b.ref_cnt == 1 and b.block_hash is None for b in blocks), \
-                    f"superblock {sb} withdrawn but a block is in use or cached"
-            if self.track_convertible:
-                assert (sb in self.convertible) == (self.lent[sb] and out == 0), \
-                    f"superblock {sb}: convertible set wrong"
-        assert self.num_reserved_blocks == sum(k for sb in range(1, len(self.held)) if not self.lent[sb]) + (
-            0 if self.lent[0] else k - 1), "reserved count != withdrawn blocks"
-        stamps = list(self.convertible.values())
-        assert stamps == sorted(stamps), "convertible superblocks out of age order"
+        withdrawn = 0
+        for sb in range(len(self.lent)):
+            if self.lent[sb]:
+                continue
+            blocks = [b for b in self.superblock_blocks(sb) if not b.is_null]
+            assert all(b.ref_cnt == 1 and b.block_hash is None and b.prev_free_block is None for b in blocks), \
+                f"superblock {sb} withdrawn but a block is free, cached or in more than the arena's hands"
+            withdrawn += len(blocks)
+        assert self.num_reserved_blocks == withdrawn, f"reserved {self.num_reserved_blocks} != withdrawn {withdrawn}"
+        assert len(self.lent) * k == self.num_blocks
