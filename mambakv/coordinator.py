@@ -34,13 +34,19 @@ from mambakv.core.errors import (
     as_count,
 )
 from mambakv.core.request import Request
-from mambakv.core.spec import KVCacheConfig, KVCacheSpec, MambaSpec
+from mambakv.core.spec import KVCacheConfig, KVCacheSpec, MambaCacheMode, MambaSpec
 from mambakv.groups import MambaManager, SingleTypeKVCacheManager, make_manager
 from mambakv.hits import PrefixCacheStats, PrefixHitFinder
+from mambakv.placement import CheckpointPlacement, placement_from_names
 from mambakv.plans import KVCacheBlocks
 from mambakv.request_state import RequestState, check_computed
 
-__all__ = ["KVCacheCoordinator", "share_identical_policies"]
+__all__ = ["DEFAULT_PLACEMENT", "KVCacheCoordinator", "share_identical_policies"]
+
+#: checkpoint placement per layout (rule names, mambakv.placement): unified = vLLM 0.33's rules;
+#: decoupled = chosen on the real trace (docs/replay.md)
+DEFAULT_PLACEMENT = {"unified": ("chunk_ends", "replay_boundary", "junction"),
+                     "decoupled": ("chunk_ends", "replay_boundary", "junction")}
 
 
 def share_identical_policies(managers: Sequence[SingleTypeKVCacheManager]) -> tuple[SingleTypeKVCacheManager, ...]:
@@ -73,6 +79,10 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries):
         max_num_seqs: accepted for 0.x callers, unused (nothing is reserved per request slot).
         lazy_spare_may_evict: Mamba groups with ``decode_checkpoints="latest"`` may evict a
             cached block for a spare (a benchmark knob; the default never does).
+        checkpoint_placement: where ``next_chunk_end`` ends prefill chunks (so where Mamba
+            states are published): a :class:`~mambakv.placement.CheckpointPlacement` or rule
+            names (``placement_from_names``); None: the layout's default
+            (``DEFAULT_PLACEMENT``: vLLM 0.33's rules unified, measured ones decoupled).
 
     Raises:
         HashBlockSizeMismatchError: `hash_block_size` is not a positive int or does not divide a
@@ -85,7 +95,8 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries):
     def __init__(self, kv_cache_config: KVCacheConfig, *, max_model_len: int, enable_caching: bool = True,
                  use_eagle: bool = False, hash_block_size: int | None = None,
                  enable_kv_cache_events: bool = False, max_num_seqs: int = 256,
-                 lazy_spare_may_evict: bool = False) -> None:
+                 lazy_spare_may_evict: bool = False,
+                 checkpoint_placement: CheckpointPlacement | Sequence[str] | None = None) -> None:
         if not isinstance(kv_cache_config, KVCacheConfig):
             raise InvalidSpecError(f"kv_cache_config must be a KVCacheConfig, got {type(kv_cache_config).__name__}")
         groups = kv_cache_config.kv_cache_groups
@@ -148,6 +159,16 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries):
         self._copies_pending = self._zeros_pending = False
         self.prefix_cache_stats = PrefixCacheStats()
         self.num_steps = 0
+        if checkpoint_placement is None:
+            checkpoint_placement = DEFAULT_PLACEMENT[kv_cache_config.layout]
+        if not isinstance(checkpoint_placement, CheckpointPlacement):
+            checkpoint_placement = placement_from_names(checkpoint_placement)
+        #: the rules ``next_chunk_end`` follows (mambakv.placement)
+        self.checkpoint_placement = checkpoint_placement
+        #: prefill chunks end on multiples of this (the hit alignment) when a Mamba group caches
+        #: states in align mode, else 0 (no rule applies: a chunk is what the budget allows)
+        self.chunk_alignment = self.alignment_tokens if enable_caching and any(
+            m.mode is MambaCacheMode.ALIGN for m in self.mamba_managers) else 0
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, request: Request, num_new_tokens: int, *, num_new_computed_tokens: int = 0,

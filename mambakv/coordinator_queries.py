@@ -12,6 +12,7 @@ from mambakv.core.errors import InvalidRequestError, as_count
 from mambakv.core.request import Request
 from mambakv.groups import MambaManager, SingleTypeKVCacheManager, StatePlan
 from mambakv.hits import PrefixCacheStats, PrefixHitFinder
+from mambakv.placement import CheckpointPlacement
 from mambakv.plans import EMPTY_STEP_PLAN, GroupPlan, KVCacheBlocks, RequestView, StepPlan
 from mambakv.request_state import RequestState, describe
 
@@ -40,6 +41,8 @@ class CoordinatorQueries:
     max_model_len: int
     _columns: tuple[tuple[int, ...], ...]
     _no_hits: tuple[tuple[()], ...]
+    checkpoint_placement: CheckpointPlacement
+    chunk_alignment: int
 
     def _count_pools(self, rid: str, num_tokens: int, policy_hits: Sequence[Sequence[Sequence[KVCacheBlock]]],
                      num_computed: int, num_lookahead_tokens: int) -> tuple[int, int]:
@@ -68,6 +71,26 @@ class CoordinatorQueries:
             return self._empty_blocks, 0
         hits, length = self._hits.find(request, use_eagle=self.use_eagle)
         return (KVCacheBlocks(tuple(hits)) if length else self._empty_blocks), length
+
+    def next_chunk_end(self, request: Request, budget: int, *, num_computed_tokens: int | None = None) -> int:
+        """Where the request's next prefill chunk should end (tokens, absolute): the smallest
+        position the checkpoint placement proposes in ``(computed, min(computed + budget, N)]``,
+        else that limit (:mod:`mambakv.placement`). The engine schedules ``end - computed``
+        tokens. Call it for every prefill chunk, the first one at admission with
+        `num_computed_tokens` = the hit length (default ``request.num_computed_tokens``).
+        Read-only on the pool (the junction rule looks up the shared prefix at admission).
+
+        Raises:
+            InvalidTokenCountError: a negative or non-int count.
+        """
+        budget = as_count(budget, "budget")
+        computed = request.num_computed_tokens if num_computed_tokens is None else as_count(
+            num_computed_tokens, "num_computed_tokens")
+        return self.checkpoint_placement.chunk_end(self, request, computed, budget, self.chunk_alignment)
+
+    def holds_blocks(self, request_id: str) -> bool:
+        """Whether the request holds blocks (allocated and not freed). O(1)."""
+        return request_id in self._live
 
     def get_shared_prefix_length(self, request: Request) -> int:
         """Tokens: the longest prefix of `request` (aligned like a hit, at most

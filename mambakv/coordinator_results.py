@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from mambakv.core.errors import InvalidDraftCountError, InvalidRequestError, InvalidTokenCountError, as_count
 from mambakv.groups import MambaManager, SingleTypeKVCacheManager
+from mambakv.placement import CheckpointPlacement
 from mambakv.request_state import RequestState
 
 __all__ = ["CoordinatorResults"]
@@ -19,6 +20,7 @@ class CoordinatorResults:
     enable_caching: bool
     _mamba_policies: tuple[MambaManager, ...]
     _live: dict[str, RequestState]
+    checkpoint_placement: CheckpointPlacement
 
     def retire(self, request_id: str, num_processed_tokens: int) -> None:
         """Outputs came back: `num_processed_tokens` (settled, never the optimistic scheduled
@@ -95,12 +97,14 @@ class CoordinatorResults:
         if request_id not in self._live and not any(request_id in m.req_to_blocks for m in self.managers):
             if type(request_id) is not str:
                 raise InvalidRequestError(f"request ids are strs, got {type(request_id).__name__} {request_id!r}")
+            self.checkpoint_placement.forget(request_id)
             return
         for m in self.policies:
             m.check_free(request_id)
         for m in self.policies:
             m.free(request_id)
         self._live.pop(request_id, None)
+        self.checkpoint_placement.forget(request_id)
 
     def preempt_all(self) -> list[str]:
         """Free every request (the engine re-queues them to recompute) and return their ids,

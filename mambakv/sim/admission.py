@@ -6,8 +6,8 @@ The waiting queue is FCFS; a request is admitted while the step has budget left 
     hash the prompt once (timed apart: SimMetrics.hash_s)
     hits, hit = get_computed_blocks(request)
     reserve_full_prompt and others run and the whole prompt does not fit  -> stop admitting
-    junction = get_shared_prefix_length(request)          (aligned Mamba groups only)
-    n = prefill_chunk(hit, N, budget, junction)
+    n = next_chunk_end(request, budget, num_computed_tokens=hit) - hit   (the placement's rules;
+                                                           its junction rule looks up the shared prefix)
     allocate(request, n, num_new_computed_tokens=hit, new_computed_blocks=hits)
         None: stop admitting (nothing runs: BudgetTooSmallError)
     first admission: count prompt, hit and state-missing tokens (max(0, J - hit))
@@ -39,7 +39,7 @@ _now = time.perf_counter
 
 class Admission:
     """Admission and the timed ``allocate``; needs the attributes declared below and
-    ``prefill_chunk`` (set and defined by :class:`~mambakv.sim.scheduler.Scheduler`)."""
+    ``next_chunk`` (set and defined by :class:`~mambakv.sim.scheduler.Scheduler`)."""
 
     coord: KVCacheCoordinator
     metrics: SimMetrics
@@ -48,7 +48,7 @@ class Admission:
     max_num_seqs: int
     reserve_full_prompt: bool
     align: int
-    prefill_chunk: Callable[[int, int, int, int], int]  # Scheduler.prefill_chunk
+    next_chunk: Callable[[Request, int, int], int]  # Scheduler.next_chunk
 
     def _timed_allocate(self, req: Request, n: int, *, num_draft_tokens: int, num_new_computed_tokens: int = 0,
                         new_computed_blocks: KVCacheBlocks | None = None) -> KVCacheBlocks | None:
@@ -90,13 +90,11 @@ class Admission:
             mt.library_calls += 1
             if self.reserve_full_prompt and self.running and not self._fits(req, hits, hit):
                 break
-            junction = 0
-            if self.align:
-                t = _now()
-                junction = coord.get_shared_prefix_length(req)
-                mt.library_s += _now() - t
-                mt.library_calls += 1
-            n = self.prefill_chunk(hit, req.num_tokens, budget, junction)
+            n = self.next_chunk(req, hit, budget)
+            if "junction" in coord.checkpoint_placement.names:
+                junction = coord.checkpoint_placement.junction(req.request_id)
+            else:  # the metric only: where attention hit but no state was published
+                junction = coord.get_shared_prefix_length(req) if self.align else 0
             new = self._timed_allocate(req, n, num_new_computed_tokens=hit, new_computed_blocks=hits,
                                        num_draft_tokens=0)
             if new is None:

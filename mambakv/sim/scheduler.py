@@ -12,9 +12,10 @@ One step::
         accept_drafts(rid, a) (+ run its copies), append a + 1 tokens, retire(rid, processed)
         finished: free(rid)
 
-Chunked prefill: a chunk ends on a multiple of the Mamba block size, at the last boundary
-before the prompt's end and at the junction with an earlier request's prefix (the policy and its
-table: :mod:`mambakv.sim.chunking`). Admission of waiting requests: :mod:`mambakv.sim.admission`.
+Chunked prefill: a chunk ends where ``coord.next_chunk_end`` says (the coordinator's checkpoint
+placement, :mod:`mambakv.placement`; vLLM's rules by default in the unified layout: chunk ends on
+the hit alignment, the replay boundary before the prompt's end, the junction with an earlier
+request's prefix). Admission of waiting requests: :mod:`mambakv.sim.admission`.
 
 Decode: a request whose last step samples a token waits for that result (no placeholders);
 with K speculative tokens a decode step schedules ``1 + K`` tokens, ``K`` of them drafts
@@ -32,7 +33,9 @@ from typing import TYPE_CHECKING
 
 from mambakv.coordinator import KVCacheCoordinator
 from mambakv.core.errors import MambaKVError
-from mambakv.core.spec import MambaCacheMode, MambaSpec
+from mambakv.core.request import Request
+from mambakv.core.spec import MambaSpec
+from mambakv.placement import placement_from_names
 from mambakv.sim.admission import Admission
 from mambakv.sim.chunking import prefill_chunk
 from mambakv.sim.metrics import SimMetrics
@@ -100,21 +103,32 @@ class Scheduler(ResultProcessor, Admission):
         self.on_finish = on_finish
         self.check_invariants = check_invariants
         self.reserve_full_prompt = reserve_full_prompt
-        # Chunks end on multiples of the coordinator's hit alignment (the LCM of every group's
-        # block size): a chunk end that is a Mamba boundary but not a multiple of the attention
-        # block could never be a hit.
-        aligned = any(m.mode is MambaCacheMode.ALIGN for m in coord.mamba_managers)
-        self.align = coord.alignment_tokens if aligned else 0
+        # Chunks end where the coordinator's checkpoint placement asks (coord.next_chunk_end),
+        # on multiples of its hit alignment when a Mamba group caches states in align mode.
+        self.align = coord.chunk_alignment
+        if not stop_before_last_token:  # older vLLM's stop rule: the same rules, T = N - N % A
+            coord.checkpoint_placement = placement_from_names(coord.checkpoint_placement.names,
+                                                              stop_before_last_token=False)
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.in_flight: deque[list[ScheduledEntry]] = deque()
         self.metrics = SimMetrics.for_coordinator(coord)
 
     # ------------------------------------------------------------------ token choice
+    def next_chunk(self, request: Request, computed: int, budget: int) -> int:
+        """Tokens to schedule for `request`'s next prefill chunk from `computed`:
+        ``coord.next_chunk_end`` (the checkpoint placement, :mod:`mambakv.placement`), timed as
+        library time."""
+        t = _now()
+        end = self.coord.next_chunk_end(request, budget, num_computed_tokens=computed)
+        self.metrics.library_s += _now() - t
+        self.metrics.library_calls += 1
+        return end - computed
+
     def prefill_chunk(self, computed: int, num_tokens: int, budget: int, junction: int = 0) -> int:
-        """Tokens to schedule for a request with `computed` of `num_tokens` known tokens;
-        a chunk that would run past `junction` (a multiple of the alignment) ends there
-        (:func:`mambakv.sim.chunking.prefill_chunk`, with this scheduler's alignment and stop rule)."""
+        """vLLM 0.33's chunk rule for this scheduler's alignment and stop rule, given the
+        junction (:func:`mambakv.sim.chunking.prefill_chunk`): what ``next_chunk`` gives under
+        the unified layout's default placement (tests/test_placement.py checks it)."""
         return prefill_chunk(computed, num_tokens, budget, align=self.align,
                              stop_before_last_token=self.stop_before_last_token, junction=junction)
 
@@ -166,7 +180,7 @@ class Scheduler(ResultProcessor, Admission):
                     drafts = min(self.K, budget - 1, coord.max_model_len - N)
                     n += drafts
             else:
-                n = self.prefill_chunk(c, N, budget, sreq.junction)
+                n = self.next_chunk(req, c, budget)
             while True:
                 new = self._timed_allocate(req, n, num_draft_tokens=drafts)
                 if new is not None:
