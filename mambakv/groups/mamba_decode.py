@@ -9,15 +9,16 @@ every      eager align (``mamba_steps.py``): a new block per boundary, copy last
            each settled boundary state in its own block is published (today's behaviour)
 latest     the running block advances in place (case ADVANCE); when a verified step crossed a
            boundary, its state is copied out of the running / scratch block that holds it into
-           a block free without eviction, published at the next retire (LRU tail); a step
-           without drafts that ends exactly on a boundary is tagged and grows, as in every
+           a block free without eviction (or the request's own superseded checkpoint),
+           published at the next retire (LRU tail); a step without drafts that ends exactly
+           on a boundary is tagged and grows, as in every
 none       the running block advances in place; no decode-boundary state is ever published
 =========  =====================================================================================
 
 ``latest`` in one picture (block 64, 3 drafts, ``0`` null, R running, S scratch, C checkpoint)::
 
     planned from 637     [0 .. 0 0 R S S S]        R: 638, S: 639 640 641 (every grows here: 5)
-    verify, 3 accepted   [0 .. 0 0 R S S S C]      copies S3 -> R, S2 -> C (C free, never evicting)
+    verify, 3 accepted   [0 .. 0 0 R S S S C]      copies S3 -> R, S2 -> C (C free: never evicting)
     retire 641           [0 .. 0 0 R S S S]        C hashed under 640's key, freed (cached); the
                                                    request's previous checkpoint is evict-first
 
@@ -27,14 +28,17 @@ Rules (``_decode_verify``; a step's start is exact once the steps before it sett
 * verify (``accept_drafts``): the step from ``start`` settled at ``end``; B, the highest
   boundary in ``(start, end]``, is the state of the running block (B = start + 1) or of
   scratch block ``B - start - 1``. Take C (``BlockPool.get_new_unhashed_block``;
-  ``spare_may_evict`` lets it evict, a benchmark knob) and return the copy ``X -> C`` with
-  ``scratch a -> R``. That copy runs after this step's forward and before any later step's
-  pre-forward copies, so the state reaches C before a step in flight overwrites ``X``, and no
-  forward writes C. Not tracked: no block free; B is R's state and drafts were accepted (the
-  copy ``scratch a -> R`` overwrites it; a chain is not a plan) while a later step is planned
-  (it writes R; with none, C simply becomes the running block and R the checkpoint); a
-  ``free`` since the step was planned (the freed request may have a step in flight that still
-  writes its blocks, and unhashed free blocks are reused first).
+  ``spare_may_evict`` lets it evict, a benchmark knob; with no block free, the request's own
+  previous decode checkpoint if it is free and still cached: B supersedes it on its chain,
+  nobody else's state is evicted) and return the copy ``X -> C`` with ``scratch a -> R``.
+  That copy runs after this step's forward and before any later step's pre-forward copies,
+  so the state reaches C before a step in flight overwrites ``X``, and no forward writes C.
+  Not tracked: no C (no free block, no own checkpoint to recycle); B is R's state and drafts
+  were accepted (the copy ``scratch a -> R`` overwrites it; a chain is not a plan) while a
+  later step is planned (it writes R; with none, C simply becomes the running block and R the
+  checkpoint). After a ``free`` since the step was planned only the recycled checkpoint may be
+  C (the freed request may have a step in flight that still writes its blocks, and unhashed
+  free blocks are reused first).
 * publish (``retire``): C, once B is processed, is hashed under B's key and freed.
 * finish (``free``): a C not yet published is freed unhashed (it is no step's write target).
 * nspec 0 / steps without drafts (no verify): a step that ends exactly on B tags R (the
@@ -80,9 +84,9 @@ class DecodeCheckpointsMixin(AlignStepsMixin):
     num_speculative_blocks: int
     #: decode steps advance the running block in place (``latest`` / ``none`` in align mode)
     _decode_in_place: bool
-    #: ``latest`` with caching: decode boundaries get spares
+    #: ``latest`` with caching: crossed decode boundaries are copied out and published
     _spares: bool
-    #: take spares even by evicting a cached block (benchmark knob; default never)
+    #: take checkpoint blocks even by evicting a cached block (benchmark knob; default never)
     spare_may_evict: bool
     #: ``(request id, block id, position)`` the planned forwards write, since the last take
     _writes: list[tuple[str, int, int]]
@@ -94,10 +98,10 @@ class DecodeCheckpointsMixin(AlignStepsMixin):
 
     # ------------------------------------------------------------------ planning
     def _move_running(self, t: MambaTable, running: int) -> None:
-        """Case ADVANCE: move the running block, its scratch and the spare to the new running
-        slot (no new block, no copy)::
+        """Case ADVANCE: move the running block and its scratch (and a checkpoint C still
+        waiting for its retire) to the new running slot (no new block, no copy)::
 
-            slot 7 -> 8, nspec 2:   [0 .. 0 R S S P]  ->  [0 .. 0 0 R S S P]
+            slot 7 -> 8, nspec 2:   [0 .. 0 R S S]  ->  [0 .. 0 0 R S S]
         """
         old, null = t.running_slot, self.null_block
         for col in t.columns:
@@ -163,20 +167,38 @@ class DecodeCheckpointsMixin(AlignStepsMixin):
         copied out at its verify (``_decode_verify``), so a forward writes only the running and
         scratch blocks."""
 
-    def _take_checkpoint_blocks(self, t: MambaTable) -> list[KVCacheBlock] | None:
-        """One block per column, all or none; never evicting unless ``spare_may_evict``."""
-        pool, got = self.block_pool, list[KVCacheBlock]()
-        for _ in t.columns:
-            if self.spare_may_evict:
-                block = pool.get_new_blocks(1)[0] if pool.get_num_free_blocks() else None
-            else:
-                block = pool.get_new_unhashed_block()
-            if block is None:
-                if got:
-                    pool.free_blocks(got)
-                return None
-            got.append(block)
-        return got
+    def _take_checkpoint_blocks(self, t: MambaTable, *, fresh: bool) -> list[KVCacheBlock] | None:
+        """One block per column, all or none: if `fresh`, a block free without eviction (any
+        free block with ``spare_may_evict``); else, or when none is free, the request's own
+        previous decode checkpoint if it is free and still cached under its key (the state
+        about to be published supersedes it on the same chain; ``_publish_spare`` would make
+        it evict-first). Nobody else's cached state is evicted.
+
+        A recycled block is safe whatever was freed meanwhile: a cached block is written by
+        no step (a hit only reads it, and holds it while it may: ref count > 0), and an
+        unchanged hash proves it was not evicted and reused since."""
+        pool = self.block_pool
+        got = list[KVCacheBlock]()
+        if fresh:
+            for _ in t.columns:
+                if self.spare_may_evict:
+                    block = pool.get_new_blocks(1)[0] if pool.get_num_free_blocks() else None
+                else:
+                    block = pool.get_new_unhashed_block()
+                if block is None:
+                    break
+                got.append(block)
+            if len(got) == len(t.columns):
+                return got
+            if got:
+                pool.free_blocks(got)
+        old = [blk for blk, key in t.ckpts if blk.block_hash == key and blk.ref_cnt == 0]
+        if not old or len(old) != len(t.columns):
+            return None
+        pool.evict_blocks([b.block_id for b in old])  # unhashed now (free, at the queue's head)
+        pool.touch(old)  # taken: ref count 1
+        t.ckpts = []
+        return old
 
     def take_checkpoint_writes(self) -> list[tuple[str, int, int]]:
         """``(request id, block id, position)`` for each block a planned forward writes, since
@@ -228,13 +250,14 @@ class DecodeCheckpointsMixin(AlignStepsMixin):
         start = self._resolve_step(t, step, a)
         b = t.settled // bs * bs  # the highest boundary the step settled at or past
         i = b - start - step.real  # B's state: 0 the running block, k scratch block k
-        if b <= start or i < 0 or t.spare_pos or self._freed_at >= step.seq:
-            return copies  # no crossing (or not on a kept state), a checkpoint still waiting, or
-            # a free since this step was planned: its blocks may be written by a step in flight
+        if b <= start or i < 0 or t.spare_pos:
+            return copies  # no crossing (or not on a kept state), or a checkpoint still waiting
         swap = i == 0 and a > 0
         if swap and (steps or t.verify_steps):
             return copies  # a later step writes R
-        got = self._take_checkpoint_blocks(t)
+        # After a free since this step was planned, a free block may still be written by a
+        # step of the freed request in flight: only the request's own old checkpoint is safe.
+        got = self._take_checkpoint_blocks(t, fresh=self._freed_at < step.seq)
         if got is None:
             return copies
         for col, pairs, c in zip(t.columns, copies, got):

@@ -225,3 +225,31 @@ def test_one_token_prefill_chunk_is_not_decode(mode, published):
     new = Request("b", tokens(16) + [1, 2, 3])
     _, hit = coord.get_computed_blocks(new)
     assert hit == 8
+
+
+def test_no_free_block_recycles_the_requests_own_superseded_checkpoint():
+    """Block 4, 1 draft, 5 blocks: C (key 0) published at 4; then every free block is cached
+    (C and two foreign states). At 8 no block is free without eviction: the request's own
+    checkpoint C, which the state at 8 supersedes on its chain, is recycled; the foreign
+    states stay cached."""
+    m = manager("latest", num_blocks=6)
+    pool = m.block_pool
+    req = Request("r", tokens(3))
+    m.allocate_new_blocks("r", 3)
+    R, S = ids(m, "r")
+    m.take_checkpoint_writes()
+    _, copies = decode(m, req, 3, 0)
+    C = copies[0][1]
+    foreign = pool.get_new_blocks(2)
+    pool.cache_full_blocks(foreign, [b"x" * 16, b"y" * 16], 0)
+    pool.free_blocks(foreign)
+    assert pool.get_new_unhashed_block() is None  # all 3 free blocks are cached
+    decode(m, req, 4, 1)  # 4 -> 6
+    decode(m, req, 6, 0)  # 6 -> 7
+    _, copies = decode(m, req, 7, 0)  # 7 -> 8: R holds 8
+    keys = group_block_hashes(req, 4)
+    assert copies == [(R, C)] and pool.blocks[C].block_hash == keys[1]
+    assert pool.get_cached_block(keys[0], [0]) is None
+    assert all(b.block_hash in (b"x" * 16, b"y" * 16) for b in foreign)
+    m.free("r")
+    m.check_invariants()
