@@ -33,7 +33,7 @@ def make_manager(spec: KVCacheSpec, block_pool: BlockPool, *, enable_caching: bo
                  kv_cache_group_id: int = 0, max_num_seqs: int = 256,
                  spare_may_evict: bool = False) -> SingleTypeKVCacheManager:
     """Build the manager of one group. `spare_may_evict`: Mamba groups with
-    ``decode_checkpoints="latest"`` may evict a cached block for a spare (a benchmark knob).
+    ``decode_checkpoints="latest"`` may evict a cached block for a decode checkpoint (a benchmark knob).
     `max_num_seqs` is accepted for 0.x callers and unused (no scratch region is reserved)."""
     m = manager_class_for(spec)(spec, block_pool, enable_caching=enable_caching, kv_cache_group_id=kv_cache_group_id)
     if isinstance(m, MambaManager):

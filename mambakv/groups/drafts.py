@@ -34,18 +34,15 @@ class DecodeStep:
         drafts: draft tokens of the step (0: it settles at ``retire``, else at ``accept_drafts``).
         real: its real tokens (1 for a decode step).
         start: the position it starts from, when known at planning (no earlier step of the
-            request unresolved); -1: the end of the previous step.
-        lb: a lower bound of ``start`` (the boundary the step may reach is the next one above).
-        end: the step's planned main tokens, an upper bound of where it can end.
-        boundary: the boundary whose state the step writes into the spare if it computes it
-            (0: no write target).
+            request unresolved); -1: the end of the previous step (known once that one settled).
+        seq: the manager's count of planned decode steps when this one was planned (a free
+            since then may have put a block a step in flight still writes back in the pool).
     """
 
-    __slots__ = ("drafts", "real", "start", "lb", "end", "boundary")
+    __slots__ = ("drafts", "real", "start", "seq")
 
-    def __init__(self, drafts: int, real: int, start: int, lb: int, end: int) -> None:
-        self.drafts, self.real, self.start, self.lb, self.end = drafts, real, start, lb, end
-        self.boundary = 0
+    def __init__(self, drafts: int, real: int, start: int, seq: int) -> None:
+        self.drafts, self.real, self.start, self.seq = drafts, real, start, seq
 
 
 class MambaTable(BlockTable):
@@ -70,8 +67,10 @@ class MambaTable(BlockTable):
             advances in place, see ``mamba_decode.py``).
         decode_steps: ``latest``: planned decode steps not resolved yet, oldest first.
         settled: ``latest``: the settled position (tokens) after the last resolved step.
-        has_spare: ``latest``: the last block of every column is a spare.
-        spare_pos: the boundary the spare holds once a step crossed into it (0: none yet).
+        has_spare: ``latest``: the last block of every column is a checkpoint waiting for its
+            ``retire``: it holds (or receives, by the copy ``accept_drafts`` returned) the
+            state at a boundary a verified step crossed; no forward writes it.
+        spare_pos: that boundary (0: no checkpoint waiting).
         ckpts: ``(block, key)`` of the request's last published decode checkpoint, per column.
     """
 
@@ -147,14 +146,10 @@ class DraftsMixin(SingleTypeKVCacheManager):
         position = num_tokens - num_drafts + num_accepted
         if self._align and slot > (position - 1) // self.block_size:
             t.verified.append((position, slot))  # see num_dead_slots
+        if t.in_decode:  # latest / none: the running block advances in place (mamba_decode.py)
+            return self._decode_verify(t, num_accepted)
         # Tag a boundary state only if no later step was planned into this block meanwhile
         # (async scheduling): then the block keeps exactly this state.
-        if t.in_decode:  # latest / none: the running block advances in place and is never tagged
-            self._resolve_verify(t, num_accepted)
-            if num_accepted == 0:
-                return [[] for _ in t.columns]
-            r = t.running_slot  # where the running block and its scratch are now (async: moved on)
-            return [[(col[r + num_accepted].block_id, col[r].block_id)] for col in t.columns]
         latest = not t.verify_steps and t.running_slot == slot and t.num_tokens == num_tokens
         if latest and self.enable_caching and position == (slot + 1) * self.block_size:
             t.positions[slot] = position
@@ -162,8 +157,9 @@ class DraftsMixin(SingleTypeKVCacheManager):
             return [[] for _ in t.columns]
         return [[(col[slot + num_accepted].block_id, col[slot].block_id)] for col in t.columns]
 
-    def _resolve_verify(self, t: MambaTable, num_accepted: int) -> None:
-        """A decode step's verify under ``latest`` (see mamba_decode.py); nothing here."""
+    def _decode_verify(self, t: MambaTable, num_accepted: int) -> list[list[tuple[int, int]]]:
+        """A decode step's verify under ``latest`` / ``none`` (``mamba_decode.py``)."""
+        raise NotImplementedError
 
     def _check_leader(self) -> None:
         """Followers are driven through their leader (the coordinator does that).

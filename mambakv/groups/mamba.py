@@ -91,6 +91,7 @@ class MambaManager(ColumnsMixin, QueriesMixin):
         self.spare_may_evict = False
         self._writes: list[tuple[str, int, int]] = []
         self._list_writes = True
+        self._num_planned = self._freed_at = 0
 
     # ------------------------------------------------------------------ check + count
     def check_step(self, num_tokens: int, num_draft_tokens: int) -> None:
@@ -117,8 +118,11 @@ class MambaManager(ColumnsMixin, QueriesMixin):
         if t is None or t.running_slot < 0:
             evictable = num_evictable(new_computed_blocks) if new_computed_blocks else 0
             return 1 + self.num_speculative_blocks + evictable
-        if t.in_decode:
-            return 0  # latest / none: the running block advances in place; spares are optional
+        if t.in_decode:  # latest / none: the running block advances in place, unless it holds a
+            r = t.running_slot  # boundary state to publish (_decode_columns grows then, as every)
+            if -(num_tokens // -self.block_size) > r + 1 and (r in t.positions or t.blocks[r].block_hash is not None):
+                return 1
+            return 0
         if self._align and -(num_tokens // -self.block_size) > t.running_slot + 1:
             return 1  # the running slot moves on: exactly one block is missing (see allocate)
         return 0
@@ -214,6 +218,8 @@ class MambaManager(ColumnsMixin, QueriesMixin):
                 block = col[slot]
                 if block is not self.null_block:
                     self.block_pool.cache_full_blocks([block], [keys[slot]], m.kv_cache_group_id, **fields)
+            if t.in_decode:  # latest: a decode step without drafts ended exactly on the boundary
+                self._note_checkpoint(t, [col[slot] for col in t.columns], keys[slot])
 
     def next_event(self, table: BlockTable) -> int:
         """The earliest of: a tagged state's position (publication), the next retirement
@@ -251,6 +257,7 @@ class MambaManager(ColumnsMixin, QueriesMixin):
             return
         self._check_leader()
         self.block_pool.free_blocks([b for col in t.columns for b in reversed(col)])  # raises before any change
+        self._freed_at = self._num_planned  # latest: a step of it may be in flight (see _decode_verify)
         for col, m in zip(t.columns, self._column_managers):
             del m._tables[request_id]
             if m._writes:

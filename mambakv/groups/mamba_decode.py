@@ -7,45 +7,57 @@ policy. In decode:
 =========  =====================================================================================
 every      eager align (``mamba_steps.py``): a new block per boundary, copy last -> running;
            each settled boundary state in its own block is published (today's behaviour)
-latest     the running block advances in place (case ADVANCE); near a boundary a *spare* block,
-           only if one is free without eviction, receives the boundary state; published once
-           the crossing is settled, then released to the prefix cache (LRU tail)
+latest     the running block advances in place (case ADVANCE); when a verified step crossed a
+           boundary, its state is copied out of the running / scratch block that holds it into
+           a block free without eviction (or the request's own superseded checkpoint),
+           published at the next retire (LRU tail); a step without drafts that ends exactly
+           on a boundary is tagged and grows, as in every
 none       the running block advances in place; no decode-boundary state is ever published
 =========  =====================================================================================
 
-``latest`` in one picture (block 64, 3 drafts, ``0`` null, R running, S scratch, P spare)::
+``latest`` in one picture (block 64, 3 drafts, ``0`` null, R running, S scratch, C checkpoint)::
 
-    settled 600          [0 .. 0 R S S S]          outside the window: R + scratch, as every
-    step may reach 640   [0 .. 0 R S S S P]        P taken (never evicting); target (P, 640)
-    crossed, settled     [0 .. 0 0 R S S S]        P hashed under 640's key, freed (cached);
-                                                   the request's previous checkpoint is evicted
+    planned from 637     [0 .. 0 0 R S S S]        R: 638, S: 639 640 641 (every grows here: 5)
+    verify, 3 accepted   [0 .. 0 0 R S S S C]      copies S3 -> R, S2 -> C (C free: never evicting)
+    retire 641           [0 .. 0 0 R S S S]        C hashed under 640's key, freed (cached); the
+                                                   request's previous checkpoint is evict-first
 
-Rules (B = the next boundary above a lower bound of the step's start):
+Rules (``_decode_verify``; a step's start is exact once the steps before it settled):
 
-* plan (``plan_checkpoint_write``, after every group's mandatory blocks): if the step's
-  planned main tokens reach B (the forward may compute the state at B: exact under
-  synchronous scheduling, an upper bound under async, where the planned count is optimistic),
-  take a spare if there is none (``BlockPool.get_new_unhashed_block``; ``spare_may_evict``
-  lets it evict, a benchmark knob) and record the write target ``(spare, B)``. The window is
-  therefore ``B - settled <= (1 + steps in flight) x (nspec + 1)``: ``nspec + 1`` synchronous,
-  ``2 (nspec + 1)`` at async lag 1 (issue 16's window), no earlier than a step can write B.
-  No spare free -> B is not tracked. The spare serves one boundary at a time: while a step
-  in flight targets B, a later step that could reach only the next boundary gets no target
-  (block sizes below ``(1 + lag) x (nspec + 1)`` lose such boundaries, nothing worse).
-* resolve (``accept_drafts`` for a step with drafts, ``retire`` otherwise), in order: the
-  step that computed B and settled at or past it crossed into the spare (it holds B). Not
-  crossed: the spare is kept (a later step rewrites B).
-* publish (``retire``): a crossed spare whose position is processed and that no unresolved
-  step lists as its write target is hashed under B's key and freed.
-* finish (``free``): the spare is freed unhashed, whatever it holds.
+* plan: nothing beyond running + scratch; a forward writes only those (``take_checkpoint_writes``).
+* verify (``accept_drafts``): the step from ``start`` settled at ``end``; B, the highest
+  boundary in ``(start, end]``, is the state of the running block (B = start + 1) or of
+  scratch block ``B - start - 1``. Take C (``BlockPool.get_new_unhashed_block``;
+  ``spare_may_evict`` lets it evict, a benchmark knob; with no block free, the request's own
+  previous decode checkpoint if it is free and still cached: B supersedes it on its chain,
+  nobody else's state is evicted) and return the copy ``X -> C`` with ``scratch a -> R``.
+  That copy runs after this step's forward and before any later step's pre-forward copies,
+  so the state reaches C before a step in flight overwrites ``X``, and no forward writes C.
+  Not tracked: no C (no free block, no own checkpoint to recycle); B is R's state and drafts
+  were accepted (the copy ``scratch a -> R`` overwrites it; a chain is not a plan) while a
+  later step is planned (it writes R; with none, C simply becomes the running block and R the
+  checkpoint). After a ``free`` since the step was planned only the recycled checkpoint may be
+  C (the freed request may have a step in flight that still writes its blocks, and unhashed
+  free blocks are reused first).
+* publish (``retire``): C, once B is processed, is hashed under B's key and freed.
+* finish (``free``): a C not yet published is freed unhashed (it is no step's write target).
+* nspec 0 / steps without drafts (no verify): a step that ends exactly on B tags R (the
+  every rule, ``_record_step``): published at the retire of B, the next step grows.
 
-Pinned blocks per running request (block 64, sync, 1 token per step; test_pinned_blocks.py)::
+Pinned blocks per running request, per planned step (block 64, 500-token prompt, 0 accepted,
+B = 640; test_pinned_blocks.py, where the settled counts at planning are listed)::
 
-    policy  nspec  outside a window   most inside     why
-    every   0      1                  2               + last state at the crossing step
-    every   3      4                  5               + last state at the crossing step
-    latest  0      1                  2               + spare
-    latest  3      4                  5               + spare
+    policy  nspec  sync            async lag 1       why
+    every   0      1, 2 at 1 step  1, 2 at 2 steps   the step after 640 grows (+ 640's block)
+    latest  0      the same        the same          tagged and grown as every
+    every   3      4, 5 at 1 step  4, 5 at 5 steps   + the last state from the step that grows
+                                                     until retire frees it
+    latest  3      4               4                 advances in place; C only between a
+                                                     verify and its retire (then 5)
+
+(Before: latest took a spare as soon as a step could reach B and held it until the crossing
+settled. nspec 0: 2 at 1 step sync / 2 steps lag 1, but one step before every's; nspec 3: 5
+at 4 steps sync / 8 steps lag 1.)
 """
 
 from __future__ import annotations
@@ -72,21 +84,24 @@ class DecodeCheckpointsMixin(AlignStepsMixin):
     num_speculative_blocks: int
     #: decode steps advance the running block in place (``latest`` / ``none`` in align mode)
     _decode_in_place: bool
-    #: ``latest`` with caching: decode boundaries get spares
+    #: ``latest`` with caching: crossed decode boundaries are copied out and published
     _spares: bool
-    #: take spares even by evicting a cached block (benchmark knob; default never)
+    #: take checkpoint blocks even by evicting a cached block (benchmark knob; default never)
     spare_may_evict: bool
     #: ``(request id, block id, position)`` the planned forwards write, since the last take
     _writes: list[tuple[str, int, int]]
     #: list every write of a planned step in ``_writes`` (a subclass may turn it off)
     _list_writes: bool
+    #: ``latest`` decode steps planned so far, and that count at the last ``free``
+    _num_planned: int
+    _freed_at: int
 
     # ------------------------------------------------------------------ planning
     def _move_running(self, t: MambaTable, running: int) -> None:
-        """Case ADVANCE: move the running block, its scratch and the spare to the new running
-        slot (no new block, no copy)::
+        """Case ADVANCE: move the running block and its scratch (and a checkpoint C still
+        waiting for its retire) to the new running slot (no new block, no copy)::
 
-            slot 7 -> 8, nspec 2:   [0 .. 0 R S S P]  ->  [0 .. 0 0 R S S P]
+            slot 7 -> 8, nspec 2:   [0 .. 0 R S S]  ->  [0 .. 0 0 R S S]
         """
         old, null = t.running_slot, self.null_block
         for col in t.columns:
@@ -98,9 +113,9 @@ class DecodeCheckpointsMixin(AlignStepsMixin):
     def _decode_columns(self, request_id: str, t: MambaTable, num_tokens: int, drafts: int,
                         num_computed: int) -> list[list[KVCacheBlock]]:
         """A decode step under latest / none: the running block advances in place (ADVANCE),
-        except when it holds a boundary state that is (to be) published: the first decode step
-        after a chunk that ended on a boundary grows once, as in every. The running block is
-        never tagged."""
+        except when it holds a boundary state that is (to be) published: the step after a
+        chunk that ended on a boundary, or (``latest``) after a step without drafts that ended
+        exactly on one (tagged as in every), grows once, as in every."""
         running = -(num_tokens // -self.block_size) - 1
         r = t.running_slot
         if r < 0:
@@ -117,8 +132,8 @@ class DecodeCheckpointsMixin(AlignStepsMixin):
                 case, running = AlignStep.BEHIND, r
             self._check_writable(request_id, t, running, num_tokens)
             self._record_step(t, running, num_tokens, drafts, case)
-        if t.positions:
-            t.positions.pop(t.running_slot, None)
+        if t.positions and not self._spares:
+            t.positions.pop(t.running_slot, None)  # none: no decode-boundary state
         if self._spares:
             self._record_decode(t, num_tokens, drafts, num_computed)
         t.in_decode = True
@@ -129,11 +144,11 @@ class DecodeCheckpointsMixin(AlignStepsMixin):
         real = max(1, num_tokens - drafts - num_computed)
         if not t.decode_steps:
             t.settled = max(t.settled, num_computed) if t.in_decode else num_computed
-            start = lb = num_computed
+            start = num_computed
         else:
-            prev = t.decode_steps[-1]
-            start, lb = -1, prev.lb + prev.real
-        t.decode_steps.append(DecodeStep(drafts, real, start, lb, num_tokens))
+            start = -1
+        self._num_planned += 1
+        t.decode_steps.append(DecodeStep(drafts, real, start, self._num_planned))
 
     def _list_step_writes(self, request_id: str, t: MambaTable, num_tokens: int, drafts: int) -> None:
         """The running block holds position ``num_tokens - drafts`` after the forward, scratch
@@ -147,49 +162,50 @@ class DecodeCheckpointsMixin(AlignStepsMixin):
                 w.append((request_id, col[r + 1 + k].block_id, real_end + k + 1))
 
     def plan_checkpoint_write(self, request_id: str) -> None:
-        """``latest``: the window check of the request's latest planned step (module
-        docstring); a no-op otherwise. The coordinator calls it after every group's mandatory
-        blocks, so a spare only takes a block nobody counted on."""
-        t = self._tables.get(request_id)
-        if t is None or not self._spares or not t.decode_steps:
-            return
-        step = t.decode_steps[-1]
-        if step.boundary or t.spare_pos:
-            return  # planned already, or the spare holds a crossing waiting to be published
-        bs = self.block_size
-        boundary = (step.lb // bs + 1) * bs
-        if boundary > step.end or any(s.boundary not in (0, boundary) for s in t.decode_steps):
-            return  # out of reach, or the spare serves an earlier boundary of a step in flight
-        if not t.has_spare and not self._take_spare(t):
-            return
-        step.boundary = boundary
-        for col, m in zip(t.columns, self._column_managers):
-            m._writes.append((request_id, col[-1].block_id, boundary))
+        """A no-op, kept for callers (the coordinator calls it after every group's mandatory
+        blocks): ``latest`` takes no block when a step is planned; a crossed boundary's state is
+        copied out at its verify (``_decode_verify``), so a forward writes only the running and
+        scratch blocks."""
 
-    def _take_spare(self, t: MambaTable) -> bool:
-        """One spare per column, all or none; never evicting unless ``spare_may_evict``."""
-        pool, got = self.block_pool, list[KVCacheBlock]()
-        for _ in t.columns:
-            if self.spare_may_evict:
-                block = pool.get_new_blocks(1)[0] if pool.get_num_free_blocks() else None
-            else:
-                block = pool.get_new_unhashed_block()
-            if block is None:
-                if got:
-                    pool.free_blocks(got)
-                return False
-            got.append(block)
-        for col, block in zip(t.columns, got):
-            col.append(block)
-        t.has_spare = True
-        return True
+    def _take_checkpoint_blocks(self, t: MambaTable, *, fresh: bool) -> list[KVCacheBlock] | None:
+        """One block per column, all or none: if `fresh`, a block free without eviction (any
+        free block with ``spare_may_evict``); else, or when none is free, the request's own
+        previous decode checkpoint if it is free and still cached under its key (the state
+        about to be published supersedes it on the same chain; ``_publish_spare`` would make
+        it evict-first). Nobody else's cached state is evicted.
+
+        A recycled block is safe whatever was freed meanwhile: a cached block is written by
+        no step (a hit only reads it, and holds it while it may: ref count > 0), and an
+        unchanged hash proves it was not evicted and reused since."""
+        pool = self.block_pool
+        got = list[KVCacheBlock]()
+        if fresh:
+            for _ in t.columns:
+                if self.spare_may_evict:
+                    block = pool.get_new_blocks(1)[0] if pool.get_num_free_blocks() else None
+                else:
+                    block = pool.get_new_unhashed_block()
+                if block is None:
+                    break
+                got.append(block)
+            if len(got) == len(t.columns):
+                return got
+            if got:
+                pool.free_blocks(got)
+        old = [blk for blk, key in t.ckpts if blk.block_hash == key and blk.ref_cnt == 0]
+        if not old or len(old) != len(t.columns):
+            return None
+        pool.evict_blocks([b.block_id for b in old])  # unhashed now (free, at the queue's head)
+        pool.touch(old)  # taken: ref count 1
+        t.ckpts = []
+        return old
 
     def take_checkpoint_writes(self) -> list[tuple[str, int, int]]:
         """``(request id, block id, position)`` for each block a planned forward writes, since
-        the last call: running block, scratch blocks, and (``latest``) the spare, which
-        receives the state at `position` if the step computes that position (drafts
-        included). Quiet steps (no drafts, strictly inside the running block, outside any
-        crossing window) are not listed: they only advance the running block in place."""
+        the last call: the running block and the scratch blocks (``latest`` adds none: its
+        checkpoint is a copy made at verify). Quiet steps (no drafts, strictly inside the
+        running block, below the next boundary under ``latest``) are not listed: they only
+        advance the running block in place."""
         out, self._writes = self._writes, []
         return out
 
@@ -199,24 +215,60 @@ class DecodeCheckpointsMixin(AlignStepsMixin):
             self._writes = []
 
     # ------------------------------------------------------------------ results
-    def _resolve_step(self, t: MambaTable, step: DecodeStep, num_accepted: int) -> None:
-        """The step settled: it crossed into the spare iff it computed its target boundary
-        and ended at or past it."""
+    def _resolve_step(self, t: MambaTable, step: DecodeStep, num_accepted: int) -> int:
+        """The step settled at ``start + real + accepted``; returns its start."""
         start = step.start if step.start >= 0 else t.settled
-        end = start + step.real + num_accepted
-        t.settled = end
-        b = step.boundary
-        if b and start < b <= end:
-            t.spare_pos = b
+        t.settled = start + step.real + num_accepted
+        return start
 
-    def _resolve_verify(self, t: MambaTable, num_accepted: int) -> None:
-        """``accept_drafts`` of the oldest step with drafts: earlier steps without drafts
-        settled first (their results came before this verify)."""
-        steps = t.decode_steps
+    def _decode_verify(self, t: MambaTable, num_accepted: int) -> list[list[tuple[int, int]]]:
+        """``accept_drafts`` of the oldest step with drafts (earlier steps without drafts
+        settled first: their results came before this verify): the copy scratch ``a`` ->
+        running, and under ``latest``, when the step crossed a boundary B, the copy-out of B's
+        state into a checkpoint block C taken now (free without eviction; none: B is not
+        tracked). Block 64, 3 drafts, the step from 637 (R: 638, S1: 639, S2: 640, S3: 641)::
+
+            a = 2:  copies  S2 -> R, S2 -> C      C waits at the table's end, published at retire
+            a = 0:  settled 638 < 640: no crossing, no block taken
+            from 639, a = 0:   R holds 640:       R -> C
+            from 639, a = 2:   R holds 640, but S2 -> R overwrites it (a chain R -> C -> ..
+                               is not a plan): with no later step planned, C takes R's place as
+                               the running block (copy S2 -> C) and R is the checkpoint; with a
+                               step in flight (it writes R) 640 is not tracked
+
+        C is written only by that copy, which runs after this step's forward and before any
+        later step's pre-forward copies (engine-integration.md): no forward ever writes it,
+        and nothing may read it before it is published."""
+        steps, bs = t.decode_steps, self.block_size
         while steps and not steps[0].drafts:
             self._resolve_step(t, steps.popleft(), 0)
-        if steps:
-            self._resolve_step(t, steps.popleft(), num_accepted)
+        r, a = t.running_slot, num_accepted
+        copies = [[(col[r + a].block_id, col[r].block_id)] if a else [] for col in t.columns]
+        if not steps:
+            return copies  # none (no steps recorded)
+        step = steps.popleft()
+        start = self._resolve_step(t, step, a)
+        b = t.settled // bs * bs  # the highest boundary the step settled at or past
+        i = b - start - step.real  # B's state: 0 the running block, k scratch block k
+        if b <= start or i < 0 or t.spare_pos:
+            return copies  # no crossing (or not on a kept state), or a checkpoint still waiting
+        swap = i == 0 and a > 0
+        if swap and (steps or t.verify_steps):
+            return copies  # a later step writes R
+        # After a free since this step was planned, a free block may still be written by a
+        # step of the freed request in flight: only the request's own old checkpoint is safe.
+        got = self._take_checkpoint_blocks(t, fresh=self._freed_at < step.seq)
+        if got is None:
+            return copies
+        for col, pairs, c in zip(t.columns, copies, got):
+            if swap:  # C is the new running block, R (holding B) the checkpoint
+                pairs[0] = (pairs[0][0], c.block_id)
+                col[r], c = c, col[r]
+            else:
+                pairs.append((col[r + i].block_id, c.block_id))
+            col.append(c)
+        t.has_spare, t.spare_pos = True, b
+        return copies
 
     def _settle_decode(self, t: MambaTable, num_processed_tokens: int) -> None:
         """``retire``: leading steps without drafts that the processed count covers settle."""
@@ -230,11 +282,10 @@ class DecodeCheckpointsMixin(AlignStepsMixin):
             t.settled = num_processed_tokens
 
     def _publish_spare(self, request: Request, t: MambaTable, num_processed_tokens: int) -> None:
-        """A crossed spare, processed and no unresolved step's write target: hash it under
-        its boundary's key and free it (it lands at the LRU tail, cached). The request's
-        previous decode checkpoint, if free, becomes evict-first: a deeper state on its chain exists."""
+        """A waiting checkpoint whose boundary is processed: hash it under the boundary's key
+        and free it (it lands at the LRU tail, cached)."""
         b = t.spare_pos
-        if not b or b > num_processed_tokens or any(s.boundary for s in t.decode_steps):
+        if not b or b > num_processed_tokens:
             return
         bs = self.block_size
         slot = b // bs - 1
@@ -249,11 +300,17 @@ class DecodeCheckpointsMixin(AlignStepsMixin):
             pool.cache_full_blocks([spare], [keys[slot]], m.kv_cache_group_id, **fields)
             spares.append(spare)
         pool.free_blocks(spares)
-        old = [blk for blk, key in t.ckpts if blk.block_hash == key and blk.ref_cnt == 0]
+        self._note_checkpoint(t, spares, keys[slot])
+        t.has_spare, t.spare_pos = False, 0
+
+    def _note_checkpoint(self, t: MambaTable, blocks: list[KVCacheBlock], key: bytes) -> None:
+        """`blocks` (one per column) were published under `key` in decode: the request's
+        previous decode checkpoint, if free, becomes evict-first (a deeper state on its chain
+        exists)."""
+        old = [blk for blk, k in t.ckpts if blk.block_hash == k and blk.ref_cnt == 0]
         if old:
             self._evict_first(old)
-        t.ckpts = [(blk, keys[slot]) for blk in spares]
-        t.has_spare, t.spare_pos = False, 0
+        t.ckpts = [(blk, key) for blk in blocks]
 
     def _evict_first(self, blocks: list[KVCacheBlock]) -> None:
         """Move free cached `blocks` to the head of the cached part of the free queue (right
@@ -274,9 +331,11 @@ class DecodeCheckpointsMixin(AlignStepsMixin):
         q._link_run(node.prev_free_block, blocks, node)  # the queue's own O(1) splice
 
     def decode_event(self, t: MambaTable) -> int:
-        """The next processed count at which ``retire`` must reach this group: while a decode
-        step is unresolved or a crossing waits, the next token."""
-        return t.settled + 1 if t.decode_steps or t.spare_pos else 1 << 62
+        """The next processed count at which ``retire`` must reach this group: a waiting
+        checkpoint's boundary; while a decode step is unresolved, the next token."""
+        if t.spare_pos:
+            return t.spare_pos
+        return t.settled + 1 if t.decode_steps else 1 << 62
 
     def decode_quiet(self, t: MambaTable, covered: int) -> int:
         """Quiet threshold in decode: below the running slot's end and, for ``latest``, below

@@ -34,9 +34,10 @@ class StatePlan(NamedTuple):
         working_block_id: the running state block.
         checkpoint_block_id, checkpoint_position: 0 (the 0.x ALIGN_LAZY private checkpoint is
             gone; kept so that 0.x callers still unpack the tuple).
-        spare_block_id: ``latest``'s spare, 0 when none.
+        spare_block_id: ``latest``'s checkpoint waiting for its ``retire`` (a copy made at
+            verify, see ``mamba_decode.py``), 0 when none.
         scratch_block_ids: draft states, ``scratch_block_ids[k]`` = state after draft ``k + 1``.
-        write_target: ``(spare id, boundary)`` of the latest planned step with a target, or None.
+        write_target: None (no forward writes a checkpoint block any more; kept for 0.x callers).
     """
 
     working_block_id: int
@@ -57,9 +58,8 @@ class QueriesMixin(DecodeCheckpointsMixin):
             return None
         blocks, r = t.blocks, t.running_slot
         spare = blocks[-1].block_id if t.has_spare else 0
-        target = next(((spare, s.boundary) for s in reversed(t.decode_steps) if s.boundary), None) if spare else None
         scratch = tuple(b.block_id for b in blocks[r + 1 : r + 1 + self.num_speculative_blocks])
-        return StatePlan(blocks[r].block_id, 0, 0, spare, scratch, target)
+        return StatePlan(blocks[r].block_id, 0, 0, spare, scratch, None)
 
     def describe(self, request_id: str) -> TableView | None:
         """A read-only snapshot of the request's table, with the align-mode fields."""
@@ -130,4 +130,7 @@ class QueriesMixin(DecodeCheckpointsMixin):
             assert all(0 <= s < len(t.blocks) for s in t.positions), f"{rid}: tag outside table"
             if t.in_decode:  # latest / none: [0 .. R S .. S (P)], the running block never tagged
                 assert len(t.blocks) == r + 1 + self.num_speculative_blocks + t.has_spare, f"{rid}: decode layout"
-                assert r not in t.positions and (t.has_spare or not t.spare_pos), f"{rid}: decode tags"
+                bound = (r + 1) * self.block_size  # latest: a step without drafts ended on it
+                assert t.positions.get(r, bound) == bound and (self._spares or r not in t.positions), \
+                    f"{rid}: decode tags"
+                assert t.has_spare == bool(t.spare_pos), f"{rid}: a checkpoint block without its boundary"

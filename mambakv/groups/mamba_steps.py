@@ -46,7 +46,7 @@ class AlignStep(str, enum.Enum):
     COVERED     a request that never had drafts asks for fewer tokens than its running slot
                 covers: nothing changes (vllm-ascend #16329 crashed here)
     ADVANCE     a decode step under ``latest`` / ``none`` whose running slot moves on: the
-                running block moves to the new slot with its scratch (and spare); no new
+                running block moves to the new slot with its scratch; no new
                 block, no copy (``mamba_decode.py``)
     ==========  ========================================================================
 

@@ -1,14 +1,19 @@
 """MambaSpec.decode_checkpoints (issue 16): every / latest / none, values worked out by hand.
 
 The manager-level walk (block 4, 1 draft, a 3-token prompt, synchronous; ``R`` running, ``S``
-scratch, ``P`` spare, ``0`` null)::
+scratch, ``C`` a checkpoint block taken at verify, ``0`` null)::
 
-    step  computed -> tokens  table after plan   writes (block: position)    verify  effect
-    A     3 -> 5              0 R S P            R:4 S:5 P:4 (B=4 <= 5)     0       end 4: crossed -> P published (key 0)
-    B     4 -> 6              0 R S              R:5 S:6     (B=8 > 6)      1       S -> R, end 6
-    C     6 -> 8              0 R S P2           R:7 S:8 P2:8               0       end 7: not crossed, P2 kept
-    D     7 -> 9              0 0 R S P2         R:8 S:9 P2:8               1       end 9: crossed -> P2 published (key 1),
-                                                                                    P (key 0) evict-first
+    step  computed -> tokens  table after plan  verify  copies         effect
+    A     3 -> 5              0 R S             0       R -> C         end 4: crossed on R; C published (key 0)
+    B     4 -> 6              0 R S             1       S -> R         end 6: no boundary crossed
+    C     6 -> 8              0 R S             0       -              end 7: not crossed, no block taken
+    D     7 -> 9              0 0 R S           1       S -> C2        end 9: 8 is R's state and S -> R would
+                                                                       overwrite it: C2 becomes the running
+                                                                       block, R the checkpoint (key 1);
+                                                                       C (key 0) evict-first
+
+No step pins a block beyond running + scratch; the checkpoint lives from the verify to the
+retire after it.
 """
 
 from __future__ import annotations
@@ -37,17 +42,17 @@ def test_spec_field_validates_and_is_part_of_equality():
         MambaSpec(4, STATE_SHAPES, STATE_DTYPES, mode="align", decode_checkpoints="some")
 
 
-def decode(m: MambaManager, req: Request, computed: int, accepted: int) -> list:
-    """One synchronous decode step of 1 + 1 draft from `computed`; returns its writes."""
+def decode(m: MambaManager, req: Request, computed: int, accepted: int) -> tuple[list, list]:
+    """One synchronous decode step of 1 + 1 draft from `computed`; returns (writes, copies)."""
     m.allocate_new_blocks("r", computed + 2, num_draft_tokens=1, decode=True, num_computed_tokens=computed)
     writes = m.take_checkpoint_writes()
-    m.accept_drafts("r", accepted)
+    copies = m.accept_drafts("r", accepted)
     end = computed + 1 + accepted
     req.append_output_token_ids([7] * (end - req.num_tokens + 1))
     m.cache_blocks(req, end)
     m.remove_skipped_blocks("r", end)
     m.check_invariants()
-    return writes
+    return writes, copies
 
 
 def test_latest_walk():
@@ -57,31 +62,30 @@ def test_latest_walk():
     m.allocate_new_blocks("r", 3)
     R, S = ids(m, "r")
     assert m.take_checkpoint_writes() == [("r", R, 3)]  # a prefill step: the running block, at 3
-    # A: 3 -> 5, the spare P gets the state at 4; 0 accepted settles at 4: crossed
-    writes = decode(m, req, 3, 0)
-    P = writes[-1][1]
-    assert writes == [("r", R, 4), ("r", S, 5), ("r", P, 4)]
+    # A: 3 -> 5; 0 accepted settles at 4, R's state: copied out into C, published at the retire
+    writes, copies = decode(m, req, 3, 0)
+    assert writes == [("r", R, 4), ("r", S, 5)] and len(copies) == 1 and copies[0][0] == R
+    C = copies[0][1]
     keys = group_block_hashes(req, 4)
-    assert pool.blocks[P].block_hash == keys[0] and pool.blocks[P].ref_cnt == 0  # published, cached
+    assert pool.blocks[C].block_hash == keys[0] and pool.blocks[C].ref_cnt == 0  # published, cached
     assert ids(m, "r") == [0, R, S]
-    # B: 4 -> 6: the next boundary 8 is out of reach: no spare
-    assert decode(m, req, 4, 1) == [("r", R, 5), ("r", S, 6)]
+    # B: 4 -> 6 accepts 1: ends at 6, no boundary crossed
+    assert decode(m, req, 4, 1) == ([("r", R, 5), ("r", S, 6)], [(S, R)])
+    # C: 6 -> 8 accepts 0: ends at 7, 8 not crossed: no block taken
+    assert decode(m, req, 6, 0) == ([("r", R, 7), ("r", S, 8)], [])
     assert ids(m, "r") == [0, R, S]
-    # C: 6 -> 8 reaches 8: a spare P2; 0 accepted ends at 7: kept
-    writes = decode(m, req, 6, 0)
-    P2 = writes[-1][1]
-    assert writes == [("r", R, 7), ("r", S, 8), ("r", P2, 8)] and P2 != P
-    assert ids(m, "r") == [0, R, S, P2] and pool.blocks[P2].block_hash is None
-    # D: 7 -> 9: the running block moves to slot 2 (no new block), target P2 again; crossed
-    writes = decode(m, req, 7, 1)
-    assert writes == [("r", R, 8), ("r", S, 9), ("r", P2, 8)]
+    # D: 7 -> 9 (R moves to slot 2, no new block) accepts 1: R holds 8 but S -> R would
+    # overwrite it; no step in flight: C2 takes R's place (S -> C2), R is the checkpoint
+    writes, copies = decode(m, req, 7, 1)
+    assert writes == [("r", R, 8), ("r", S, 9)] and len(copies) == 1 and copies[0][0] == S
+    C2 = copies[0][1]
     keys = group_block_hashes(req, 4)
-    assert ids(m, "r") == [0, 0, R, S]
-    assert pool.blocks[P2].block_hash == keys[1] and pool.blocks[P2].ref_cnt == 0
+    assert ids(m, "r") == [0, 0, C2, S] and m.table("r").running_slot == 2
+    assert pool.blocks[R].block_hash == keys[1] and pool.blocks[R].ref_cnt == 0
     # the previous decode checkpoint is evict-first: still cached, first among the cached blocks
     queue = [b for b in pool.free_block_queue.get_all_free_blocks()]
     first_cached = next(b for b in queue if b.block_hash is not None)
-    assert first_cached.block_id == P and pool.blocks[P].block_hash == keys[0]
+    assert first_cached.block_id == C and pool.blocks[C].block_hash == keys[0]
     m.free("r")
     assert pool.get_num_free_blocks() == 15
 
@@ -94,7 +98,7 @@ def test_running_block_advances_in_place(mode):
     R, S = ids(m, "r")
     m.take_checkpoint_writes()
     for c in range(3, 12):
-        decode(m, req, c, 0)
+        assert len(decode(m, req, c, 0)[0]) == 2  # a forward writes the running and scratch blocks only
         table = ids(m, "r")
         assert table[m.table("r").running_slot] == R and R in table and S in table
     assert m.block_pool.get_num_free_blocks() == 15 - 2 - (mode == "latest" and m.table("r").has_spare)
@@ -102,51 +106,96 @@ def test_running_block_advances_in_place(mode):
     assert len(published) == (3 if mode == "latest" else 0)  # latest: 4, 8, 12 (older ones evict-first)
 
 
-def test_in_flight_step_guards_the_spare_and_finish_frees_it_unhashed():
-    """Async: C (6 -> 8, target P at 8) and D (planned at optimistic 8 -> 10; its start is
-    unknown, lower bound 7, so it targets P at 8 too) are in flight. C accepts 1: settled at 8,
-    crossed, but D lists P as its target: not published. Finish now: P freed unhashed."""
+def async_pair(m: MambaManager, prompt: int) -> Request:
+    """Prefill `prompt` tokens, then two decode steps of 1 + 1 draft in flight: from `prompt`
+    and from the optimistic `prompt + 2`."""
+    req = Request("r", tokens(prompt))
+    m.allocate_new_blocks("r", prompt)
+    m.allocate_new_blocks("r", prompt + 2, num_draft_tokens=1, decode=True, num_computed_tokens=prompt)
+    m.allocate_new_blocks("r", prompt + 4, num_draft_tokens=1, decode=True, num_computed_tokens=prompt + 2)
+    running_and_scratch = ids(m, "r")[-2:]
+    assert all(b in running_and_scratch for rid, b, _ in m.take_checkpoint_writes() if rid == "r")
+    return req
+
+
+def test_in_flight_step_does_not_touch_the_checkpoint_and_finish_frees_it_unhashed():
+    """Async: C (6 -> 8) and D (planned at optimistic 8 -> 10) in flight, both writing R and S
+    only. C accepts 1: settled at 8, scratch S holds 8: copies S -> R and S -> P, P a new
+    block no forward writes. The retire publishes P although D is in flight; a finish before
+    that retire frees P unhashed."""
     for finish in (True, False):
         m = manager("latest")
-        req = Request("r", tokens(6))
-        m.allocate_new_blocks("r", 6)
-        m.take_checkpoint_writes()
-        m.allocate_new_blocks("r", 8, num_draft_tokens=1, decode=True, num_computed_tokens=6)
-        m.allocate_new_blocks("r", 10, num_draft_tokens=1, decode=True, num_computed_tokens=8)
-        writes = m.take_checkpoint_writes()
-        P = writes[2][1]
-        assert writes[2] == ("r", P, 8) and writes[5] == ("r", P, 8)
-        m.accept_drafts("r", 1)
+        req = async_pair(m, 6)
+        R, S = ids(m, "r")[-2:]
+        copies = m.accept_drafts("r", 1)
+        assert copies[0] == (S, R) and copies[1][0] == S
+        P = copies[1][1]
+        assert ids(m, "r")[-1] == P and m.block_pool.blocks[P].block_hash is None
         req.append_output_token_ids([7, 7, 7])
-        m.cache_blocks(req, 8)
-        assert m.block_pool.blocks[P].block_hash is None and m.table("r").spare_pos == 8
         if finish:
             m.free("r")
             assert m.block_pool.blocks[P].block_hash is None and m.block_pool.blocks[P].ref_cnt == 0
-        else:  # D settles (it started at 8: it could not write 8): now P is published
-            m.accept_drafts("r", 0)
-            m.cache_blocks(req, 9)
+        else:
+            m.cache_blocks(req, 8)
             assert m.block_pool.blocks[P].block_hash == group_block_hashes(req, 4)[1]
+            assert ids(m, "r")[-2:] == [R, S]
         m.check_invariants()
 
 
-def test_spare_never_evicts_unless_asked():
-    """A pool whose free blocks are all cached: no spare, the boundary is not tracked;
-    spare_may_evict takes one by evicting the LRU head."""
+def test_real_token_crossing_under_accepted_drafts_with_a_step_in_flight_is_not_tracked():
+    """Async: the step from 7 (8 real, 9 draft) and the next one in flight; 1 accepted: 8 is
+    R's state, the copy S -> R overwrites it, and the step in flight writes R: not tracked."""
+    m = manager("latest")
+    async_pair(m, 7)
+    free = m.block_pool.get_num_free_blocks()
+    R, S = ids(m, "r")[-2:]
+    assert m.accept_drafts("r", 1) == [(S, R)]
+    assert m.block_pool.get_num_free_blocks() == free and not m.table("r").has_spare
+    m.check_invariants()
+
+
+def test_no_checkpoint_block_after_a_free_while_steps_are_in_flight():
+    """A request freed while the crossing step is in flight may still have a step in flight
+    itself, which writes the blocks it freed (unhashed free blocks are reused first): no
+    checkpoint block is taken at the verify of a step planned before that free (the fuzzer's
+    state oracle found a published block overwritten so). A step planned after it is served."""
+    m = manager("latest")
+    m.allocate_new_blocks("q", 3)
+    req = async_pair(m, 6)
+    m.free("q")
+    R, S = ids(m, "r")[-2:]
+    assert m.accept_drafts("r", 1) == [(S, R)]  # C crossed 8, planned before the free: untracked
+    req.append_output_token_ids([7, 7, 7])
+    m.cache_blocks(req, 8)
+    m.remove_skipped_blocks("r", 8)
+    assert m.accept_drafts("r", 0) == []  # D: from 8, ends at 9
+    req.append_output_token_ids([7])
+    m.cache_blocks(req, 9)
+    m.remove_skipped_blocks("r", 9)
+    decode(m, req, 9, 1)  # E, planned after the free: 9 -> 11
+    writes, copies = decode(m, req, 11, 0)  # F: ends at 12, R's state: copied out, published
+    assert copies == [(R, copies[0][1])] and m.block_pool.blocks[copies[0][1]].block_hash is not None
+    m.check_invariants()
+
+
+def test_checkpoint_never_evicts_unless_asked():
+    """A pool whose free blocks are all cached: no checkpoint block, the boundary is not
+    tracked; spare_may_evict takes one by evicting the LRU head."""
     for may_evict in (False, True):
         m = manager("latest", num_blocks=5)
         pool = m.block_pool
         req = Request("r", tokens(3))
         m.allocate_new_blocks("r", 3)
         m.take_checkpoint_writes()
-        spare_pool = pool.get_new_blocks(2)
-        pool.cache_full_blocks(spare_pool, [b"x" * 16, b"y" * 16], 0)
-        pool.free_blocks(spare_pool)  # 2 free blocks, both cached
+        cached = pool.get_new_blocks(2)
+        pool.cache_full_blocks(cached, [b"x" * 16, b"y" * 16], 0)
+        pool.free_blocks(cached)  # 2 free blocks, both cached
         m.spare_may_evict = may_evict
-        writes = decode(m, req, 3, 0)
-        assert len(writes) == (3 if may_evict else 2)
-        # evicting: one cached block lost its hash; it became the spare, published at 4 (key 0)
-        assert sum(b.block_hash in (b"x" * 16, b"y" * 16) for b in spare_pool) == (1 if may_evict else 2)
+        writes, copies = decode(m, req, 3, 0)
+        assert len(writes) == 2 and len(copies) == (1 if may_evict else 0)
+        # evicting: one cached block lost its hash; it became the checkpoint, published at 4 (key 0)
+        assert sum(b.block_hash in (b"x" * 16, b"y" * 16) for b in cached) == (1 if may_evict else 2)
+        assert (pool.get_cached_block(group_block_hashes(req, 4)[0], [0]) is not None) == may_evict
 
 
 def published_positions(coord, req, gid: int, bs: int) -> list[int]:
@@ -178,19 +227,29 @@ def test_one_token_prefill_chunk_is_not_decode(mode, published):
     assert hit == 8
 
 
-def test_a_spare_serves_one_boundary_at_a_time():
-    """Block 4, 3 drafts, async: step 1 (3 -> 7) targets the spare at 4; step 2, planned
-    before step 1's result (optimistic 7 -> 11, start >= 4), could reach only 8: while step 1
-    may still write 4 into the spare, step 2 gets no target (the fuzzer found a spare holding
-    8's state published under 4's key without this rule)."""
-    m = MambaManager(mamba_spec(4, 3, decode_checkpoints="latest"), BlockPool(16))
+def test_no_free_block_recycles_the_requests_own_superseded_checkpoint():
+    """Block 4, 1 draft, 5 blocks: C (key 0) published at 4; then every free block is cached
+    (C and two foreign states). At 8 no block is free without eviction: the request's own
+    checkpoint C, which the state at 8 supersedes on its chain, is recycled; the foreign
+    states stay cached."""
+    m = manager("latest", num_blocks=6)
+    pool = m.block_pool
+    req = Request("r", tokens(3))
     m.allocate_new_blocks("r", 3)
+    R, S = ids(m, "r")
     m.take_checkpoint_writes()
-    m.allocate_new_blocks("r", 7, num_draft_tokens=3, decode=True, num_computed_tokens=3)
-    first = m.take_checkpoint_writes()
-    spare = first[-1]
-    assert len(first) == 5 and spare[2] == 4  # running, 3 scratch, the spare at 4
-    m.allocate_new_blocks("r", 11, num_draft_tokens=3, decode=True, num_computed_tokens=7)
-    second = m.take_checkpoint_writes()
-    assert len(second) == 4 and all(b != spare[1] for _, b, _ in second)
+    _, copies = decode(m, req, 3, 0)
+    C = copies[0][1]
+    foreign = pool.get_new_blocks(2)
+    pool.cache_full_blocks(foreign, [b"x" * 16, b"y" * 16], 0)
+    pool.free_blocks(foreign)
+    assert pool.get_new_unhashed_block() is None  # all 3 free blocks are cached
+    decode(m, req, 4, 1)  # 4 -> 6
+    decode(m, req, 6, 0)  # 6 -> 7
+    _, copies = decode(m, req, 7, 0)  # 7 -> 8: R holds 8
+    keys = group_block_hashes(req, 4)
+    assert copies == [(R, C)] and pool.blocks[C].block_hash == keys[1]
+    assert pool.get_cached_block(keys[0], [0]) is None
+    assert all(b.block_hash in (b"x" * 16, b"y" * 16) for b in foreign)
+    m.free("r")
     m.check_invariants()

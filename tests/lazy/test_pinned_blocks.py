@@ -1,39 +1,55 @@
-"""Blocks pinned per running request, decode_checkpoints every vs latest, nspec 0 and 3
-(issue 16's hard requirement: latest never pins more than every).
+"""Blocks pinned per running request, decode_checkpoints every vs latest, nspec 0 and 3,
+synchronous and async lag 1, at every step (issue 16's hard requirement: latest never pins
+more than every), counted through the public API (``coordinator.describe``).
 
-One request (block 64, 500-token prompt: chunks end at 448 and 500), every verify accepts 0
-drafts, so decode advances one token per step: the step from c computes c + 1 .. c + 1 + K.
-After each allocate, count the request's non-null table blocks (the pool blocks it pins).
-Outside a window: the step from 600 (next boundary 640). Inside: the most over 620 .. 660.
+One request (block 64, 500-token prompt: chunks end at 448 and 500), decode steps of
+``1 + nspec`` tokens (nspec drafts), every verify accepts 0 unless a script says otherwise.
+After each ``allocate``, count the non-null block ids of the request's table. Worked by hand
+with the rules of mambakv/groups/mamba_decode.py, B = 640, "settled" = the request's settled
+count when the step is planned (lag 1: the previous step is still in flight)::
 
-    policy  K  outside  inside  why (inside)
-    every   0  1        2       running, + the last state at the step whose slot moves
-    every   3  4        5       running + 3 scratch, + the last state at the crossing
-    latest  0  1        2       running, + the spare while a step may reach 640
-    latest  3  4        5       running + 3 scratch, + the spare
+    settled           630 .. 632  633  634  635  636  637  638  639  640  641 ..
+    K 0  sync  every    1 ..  1    1    1    1    1    1    1    1    2    1      step 640 grows: + 640's block
+               latest   1 ..  1    1    1    1    1    1    1    1    2    1      the same (tagged, as every)
+    K 0  lag 1 every    1 ..  1    1    1    1    1    1    1    2    2    1
+               latest   1 ..  1    1    1    1    1    1    1    2    2    1
+    K 3  sync  every    4 ..  4    4    4    4    4    5    4    4    4    4      step 637 grows (641 > 640)
+               latest   4 ..  4    4    4    4    4    4    4    4    4    4      advances in place
+    K 3  lag 1 every    4 ..  4    5    5    5    5    5    4    4    4    4      optimistic 641+ from 633
+               latest   4 ..  4    4    4    4    4    4    4    4    4    4
+
+Before this design latest took its spare as soon as a step could reach 640 and kept it until
+the crossing settled: K 0 sync 2 at 639 (every: at 640), lag 1 2 at 638-639 (every: 639-640);
+K 3 sync 5 at 636-639 (every: 637 only), lag 1 5 at 632-639 (every: 633-637).
+
+latest's checkpoint block exists only between the crossing step's ``accept_drafts`` (it is
+taken there, and B's state is copied into it) and the ``retire`` that follows (it is
+published and freed): 2 + K there, never at a planned step. With nspec 0 (no verify) the
+boundary is tagged on the running block as in every. 640 is published in every latest run.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from mambakv import Request
+from mambakv import KVCacheCoordinator, Request
 from tests.coord_helpers import coordinator, tokens
 from tests.helpers import mamba_spec
 
-
-def test_spec_bound():
-    assert mamba_spec(64, 3).blocks_per_running_request == 2 + 3
-    assert mamba_spec(64, 3, decode_checkpoints="latest").blocks_per_running_request == 5
-    assert mamba_spec(64, 0, mode="lazy").blocks_per_running_request == 2  # the 0.x name: latest
+SETTLED = range(628, 650)
 
 
-def drive_decode(mode: str, nspec: int, lag: int) -> tuple[int, int, list[int]]:
-    """decode_checkpoints `mode` (every / latest), async lag 0 or 1: the same request, every
-    verify accepts 0 drafts. Returns (pinned at the step from 600, most pinned over the steps
-    from 620 .. 660, pinned per step from 630 .. 650)."""
+def pinned(coord: KVCacheCoordinator, rid: str) -> int:
+    view = coord.describe(rid)
+    assert view is not None
+    return sum(1 for b in view.tables[0].block_ids if b)
+
+
+def drive(mode: str, nspec: int, lag: int, accept=lambda start: 0) -> tuple[dict[int, int], list[int], int]:
+    """Returns (pinned after each allocate, keyed by the settled count at planning; pinned
+    between each accept_drafts and its retire; the prefix hit of a 641-token probe after the
+    request is freed)."""
     coord = coordinator(64, mamba_spec(64, nspec, decode_checkpoints=mode), max_model_len=1024)
-    m = coord.managers[0]
     req = Request("r", tokens(500))
     for n in (448, 52):
         if req.num_computed_tokens:
@@ -42,44 +58,77 @@ def drive_decode(mode: str, nspec: int, lag: int) -> tuple[int, int, list[int]]:
         req.num_computed_tokens += n
     req.append_output_token_ids(1)
     coord.retire("r", 500)
-    in_flight: list[int] = []  # starts of planned steps whose results are not processed
-    settled, outside, inside, per_step = 500, 0, 0, []
-    for _ in range(500, 700):
-        start = req.num_computed_tokens
+    in_flight: list[int] = []
+    settled, per_step, at_verify = 500, {}, []
+    while settled < 700:
         assert coord.allocate(req, 1 + nspec, num_draft_tokens=nspec) is not None
         req.num_computed_tokens += 1 + nspec  # optimistic under async
         coord.take_copy_plan(), coord.take_zero_plan(), coord.take_checkpoint_writes()
-        in_flight.append(start)
-        held = m.num_held_blocks("r")
-        if settled == 600:
-            outside = held
-        if 620 <= settled <= 660:
-            inside = max(inside, held)
-        if 630 <= settled <= 650:
-            per_step.append(held)
+        in_flight.append(settled)
+        if settled in SETTLED:
+            per_step[settled] = pinned(coord, "r")
         while len(in_flight) > lag:
             in_flight.pop(0)
-            coord.accept_drafts("r", 0)
-            req.num_computed_tokens -= nspec
-            settled += 1
-            req.append_output_token_ids(1)
+            a = accept(settled)
+            coord.accept_drafts("r", a)
+            at_verify.append(pinned(coord, "r"))
+            req.num_computed_tokens -= nspec - a
+            settled += 1 + a
+            req.append_output_token_ids([1] * (1 + a))
             coord.retire("r", settled)
         coord.check_invariants()
+    probe = Request("p", [int(x) for x in req.all_token_ids[:641]])
     coord.free("r")
     assert coord.block_pool.get_num_free_blocks() == 63
-    return outside, inside, per_step
+    return per_step, at_verify, coord.get_computed_blocks(probe)[1]
+
+
+def row(per_step: dict[int, int]) -> list[int]:
+    return [per_step[s] for s in range(628, 646)]
+
+
+#: every's pinned blocks at the steps planned at settled 628 .. 645 (nspec, lag)
+EVERY = {
+    (0, 0): [1] * 12 + [2] + [1] * 5,
+    (0, 1): [1] * 11 + [2, 2] + [1] * 5,
+    (3, 0): [4] * 9 + [5] + [4] * 8,
+    (3, 1): [4] * 5 + [5] * 5 + [4] * 8,
+}
 
 
 @pytest.mark.parametrize("nspec", [0, 3])
 @pytest.mark.parametrize("lag", [0, 1])
-def test_latest_never_pins_more_than_every(nspec, lag):
-    """Issue 16's hard requirement. Outside a window both hold running + scratch (1 + nspec);
-    inside, every holds the last state at the crossing step and latest holds the spare
-    (2 + nspec at most, each). Per step (settled 630 .. 650) latest holds its 2 + nspec for
-    longer: nspec 3, sync 4 steps against every's 1; lag 1: 8 against 5 (nspec 0: 1 against
-    1, lag 1: 2 against 2) - the spare is taken as soon as a step can reach the boundary."""
-    every = drive_decode("every", nspec, lag)
-    latest = drive_decode("latest", nspec, lag)
-    assert every[0] == latest[0] == 1 + nspec
-    assert latest[1] <= every[1] == 2 + nspec
-    assert latest[1] == 2 + nspec
+def test_latest_never_pins_more_than_every_at_any_step(nspec, lag):
+    """Issue 16's hard requirement, per planned step, inside and outside the crossing window
+    (the module docstring's table)."""
+    every, _, every_hit = drive("every", nspec, lag)
+    latest, at_verify, latest_hit = drive("latest", nspec, lag)
+    assert row(every) == EVERY[nspec, lag]
+    assert row(latest) == (row(every) if nspec == 0 else [4] * 18)
+    assert all(latest[s] <= every[s] for s in every)
+    assert max(every.values()) == 2 + nspec
+    # latest's checkpoint exists only between a crossing's verify and its retire
+    assert max(at_verify, default=1 + nspec) <= 2 + nspec
+    assert latest_hit == 640 and every_hit == (640 if nspec == 0 else 448)
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_a_crossing_inside_the_step(lag):
+    """3 drafts; one step accepts all 3: sync the step from 637 settles at 641, past 640
+    (640's state is scratch block 2's); lag 1 the step from 636 settles exactly on 640
+    (scratch block 3). Either way 640's state is copied out at that verify and published at
+    its retire; every grows at the same step and publishes no decode state (its running slot
+    had moved past 640 when the verify landed)."""
+    start = 637 if lag == 0 else 636
+    script = lambda s: 3 if s == start else 0  # noqa: E731
+    every, _, every_hit = drive("every", 3, lag, script)
+    latest, at_verify, latest_hit = drive("latest", 3, lag, script)
+    assert all(latest[s] <= every[s] for s in every) and set(latest.values()) == {4}
+    assert max(every.values()) == 5 and at_verify.count(5) == 3  # crossings 512, 576, 640
+    assert latest_hit == 640 and every_hit == 448
+
+
+def test_spec_bound():
+    assert mamba_spec(64, 3).blocks_per_running_request == 2 + 3
+    assert mamba_spec(64, 3, decode_checkpoints="latest").blocks_per_running_request == 5
+    assert mamba_spec(64, 0, mode="lazy").blocks_per_running_request == 2  # the 0.x name: latest

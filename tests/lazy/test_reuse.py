@@ -4,16 +4,17 @@ lag 1, one Mamba group (mambakv/sim/reuse.py; the full sizes are bench/bench_laz
 docs/replay.md). Turn 2-3 hit rates measured:
 
     blocks   every   latest  latest-evict  none
-    32       0.111   0.333   0.000         0.323
-    40       0.516   0.599   0.412         0.557
-    48       0.686   0.686   0.839         0.629
+    32       0.111   0.360   0.000         0.323
+    40       0.515   0.614   0.498         0.557
+    48       0.686   0.700   0.839         0.629
     1024     0.708   0.839   0.839         0.629
 
 * unconstrained: latest == latest-evict > every > none: every publishes a decode boundary
   only when a verify lands exactly on it, latest publishes each settled crossing, so turn
   t+1 resumes nearer its end; none publishes prefill states only.
-* constrained: latest >= every (it never pins more); evicting for spares costs cached states
-  where the pool is tight (32, 40) and pays where it is not (48).
+* constrained: latest >= every (it never pins more, and without a free block it recycles
+  its own superseded checkpoint); evicting for checkpoints costs cached states where the
+  pool is tight (32, 40) and pays where it is not (48).
 * the 0.x names are aliases: lazy == latest, eager == every.
 """
 
