@@ -12,7 +12,10 @@
    ``[unhashed ...][hashed ...]`` and a cached block would be evicted while an unhashed free
    block waits (the EVICTION ORDER check).
 
-Both runs are derandomized (same examples every time) and skip shrinking, so they are fast
+3. (decoupled layout) ArenaPool counting a freed null block as returned (the bug fixed with
+   tests/test_arena.py's regression test): superblock 0's held count goes wrong.
+
+The runs are derandomized (same examples every time) and skip shrinking, so they are fast
 and deterministic; each stops at the first failing example.
 """
 
@@ -22,8 +25,10 @@ import pytest
 from hypothesis.stateful import run_state_machine_as_test
 
 from mambakv import BlockPool, MambaManager
+from mambakv.core.arena_pool import ArenaPool
 from tests.helpers import retire_until_first_null
 from tests.property.fuzz_machine import KVFuzzMachine, teeth_settings
+from tests.property.test_fuzz import DecoupledFuzzMachine
 
 
 class MambaFuzzMachine(KVFuzzMachine):
@@ -60,3 +65,22 @@ def test_fuzzer_catches_stop_at_first_null_retirement(monkeypatch) -> None:
 def test_fuzzer_catches_unhashed_blocks_freed_to_the_tail(monkeypatch) -> None:
     monkeypatch.setattr(BlockPool, "free_blocks", free_unhashed_to_tail)
     _run_expecting(KVFuzzMachine, r"^EVICTION ORDER")
+
+
+def returned_counting_the_null_block(self, blocks):
+    """ArenaPool._returned before its fix: a freed null block (in every Mamba table) counted
+    as returned, so superblock 0's held count went negative."""
+    k, held, stamp, now = self.per_superblock, self.held, self.freed_at, self.clock.now
+    for b in blocks:
+        if b.ref_cnt:
+            continue
+        stamp[b.block_id] = now
+        sb = b.block_id // k
+        held[sb] -= 1
+        if not held[sb] and self.track_convertible and self.lent[sb]:
+            self.convertible[sb] = now
+
+
+def test_decoupled_fuzzer_catches_the_null_block_counted_as_returned(monkeypatch) -> None:
+    monkeypatch.setattr(ArenaPool, "_returned", returned_counting_the_null_block)
+    _run_expecting(DecoupledFuzzMachine, r"superblock 0: held")
