@@ -17,16 +17,21 @@ def arena(num_superblocks: int = 4, k: int = 3) -> SuperblockArena:
     return SuperblockArena(SuperblockGeometry(num_superblocks, k, 10, 25))
 
 
-def test_freeing_the_null_block_keeps_superblock_0_held():
-    """Mamba tables (and sliding-window ones) hold the null block; freeing them must not count
-    it as returned: superblock 0 would look free (held 0) and the page pool could convert the
-    null page's superblock into a state slot."""
+def free_superblocks(pool) -> list[int]:
+    """Every all-free superblock of `pool`, in the arena's walk order."""
+    return [sb for sb, _ in pool.find_free_superblocks(len(pool.lent))]
+
+
+def test_freeing_the_null_block_never_frees_superblock_0():
+    """Mamba tables (and sliding-window ones) hold the null block; freeing them must not make
+    superblock 0 look free: the page pool would convert the null page's superblock into a
+    state slot."""
     a = arena()
     a.slots.free_blocks([a.slots.null_block] * 3)
     a.pages.free_blocks([a.pages.null_block])
     a.check_invariants()
-    assert a.pages.held[0] == a.slots.held[0] == 1
-    assert 0 not in a.pages.convertible
+    assert not a.pages.superblock_is_free(0) and not a.slots.superblock_is_free(0)
+    assert 0 not in free_superblocks(a.pages)
     b = arena(2)
     b.make_room(0, 1)
     assert b.slots.get_new_blocks(1)[0].block_id == 1  # the one FREE superblock became slot 1
@@ -84,7 +89,7 @@ def test_a_slot_need_converts_a_free_superblock():
     assert a.bytes == ArenaBytes(30, 25, 5, 60, 120)
     a.check_invariants()
     (s,) = a.slots.get_new_blocks(1)
-    assert s.block_id == 1 and a.slots.held[1] == 1
+    assert s.block_id == 1 and not a.slots.superblock_is_free(1)
     assert a.usage == 30 / 110  # one held slot costs its whole superblock (idle tail included)
     a.make_room(0, 0)  # nothing needed: nothing converts
     assert a.num_conversions == 1
@@ -98,21 +103,21 @@ def test_a_page_need_takes_free_pages_first_then_a_free_superblock():
     a.make_room(3, 0)
     assert a.kind == [PAGES, PAGES, FREE, FREE] and a.num_conversions == 1
     assert ids(a.pages) == [3, 4, 5, 1, 2]  # the lent superblock's pages at the head
-    assert 1 in a.pages.convertible and 0 not in a.pages.convertible
+    assert free_superblocks(a.pages) == [1]
     got = a.pages.get_new_blocks(3)
-    assert [b.block_id for b in got] == [3, 4, 5] and 1 not in a.pages.convertible
+    assert [b.block_id for b in got] == [3, 4, 5] and free_superblocks(a.pages) == []
     a.check_invariants()
     a.pages.free_blocks(got[:2])
-    assert 1 not in a.pages.convertible  # page 5 still held
+    assert free_superblocks(a.pages) == []  # page 5 still held
     a.pages.free_blocks(got[2:])
-    assert a.pages.convertible[1] == a.pages.clock.now  # stamped when the last page came back
+    assert a.pages.find_free_superblocks(1) == [(1, a.pages.clock.now)]  # aged by its newest page
     a.check_invariants()
 
 
 def test_page_need_when_full_older_cached_slot_converts():
     a, pages, slot = full_arena()
     a.slots.free_blocks(slot)  # tick 1: the slot is the LRU memory
-    a.pages.free_blocks(pages[:2])  # tick 2: pages 1, 2 (superblock 0: never convertible)
+    a.pages.free_blocks(pages[:2])  # tick 2: pages 1, 2 (superblock 0: never converted)
     a.check_invariants()
     assert a.slots.freed_at[1] < a.pages.freed_at[1]
     assert a.can_supply(2 + 3, 0) and not a.can_supply(6, 0)
@@ -179,7 +184,7 @@ def test_slot_need_when_full_older_page_superblock_converts():
     sb3 = [b for b in pages if b.block_id // 3 == 3]
     a.pages.free_blocks(sb3)  # tick 1: superblock 3 all free, the LRU memory
     a.slots.free_blocks(slot)  # tick 2
-    assert list(a.pages.convertible) == [3]
+    assert free_superblocks(a.pages) == [3]
     assert a.can_supply(0, 2) and not a.can_supply(0, 3) and not a.can_supply(1, 2)
     a.make_room(0, 1)
     assert a.kind == [PAGES, SLOT, PAGES, SLOT] and a.num_conversions == 4
@@ -212,7 +217,7 @@ def test_slot_need_does_not_convert_the_pages_this_step_needs():
 def test_a_slot_converts_back_only_when_free():
     a, pages, slot = full_arena()
     a.pages.free_blocks(pages)  # everything but the slot is free and cached
-    assert list(a.pages.convertible) == [2, 3]
+    assert sorted(free_superblocks(a.pages)) == [2, 3]
     assert not a.can_supply(9, 0)  # 8 pages: the held slot never converts
     assert a.can_supply(8, 0)
     a.make_room(8, 0)
@@ -287,13 +292,15 @@ def test_can_supply_is_exact(seed):
         a.check_invariants()
     free_cached = [b for pool in (a.pages, a.slots) for b in pool.blocks
                    if b.block_hash is not None and not b.ref_cnt]
-    for _ in range(3):
-        hits = [b for b in free_cached if rnd.random() < 0.4]
+    for trial in range(3):
+        hits = [] if trial == 0 else [b for b in free_cached if rnd.random() < 0.4]
         hp = sum(1 for b in hits if b.pool_id == a.pages.pool_id)
         hs = len(hits) - hp
         for n_p in range(hp, 14):
             for n_s in range(hs, 5):
                 assert a.can_supply(n_p, n_s, hits) == supplies(a, n_p, n_s, hits), (n_p, n_s, [b.block_id for b in hits])
+                if not hits:  # a running request's step (no hits: the fast path)
+                    assert a.can_supply(n_p, n_s) == supplies(a, n_p, n_s), (n_p, n_s)
     a.check_invariants()
 
 
@@ -307,7 +314,7 @@ def arena_snapshot(coord: KVCacheCoordinator) -> tuple:
         pools.append((
             tuple((b.ref_cnt, b.block_hash, b.cache_group_id) for b in pool.blocks), ids(pool),
             {gid: dict(m) for gid, m in pool.cached_block_hash_to_block.items()},
-            tuple(pool.held), tuple(pool.freed_at), tuple(pool.lent), tuple(pool.convertible.items()),
+            tuple(pool.freed_at), tuple(pool.lent), tuple(pool.find_free_superblocks(len(pool.lent))),
             pool.num_reserved_blocks, pool.get_num_free_blocks(), pool.clock.now))
     tables = {rid: coord.get_block_ids(rid) for rid in coord.request_ids}
     return (pools, tuple(arena_.kind), arena_.bytes, arena_.num_conversions, arena_.num_free_superblocks,
