@@ -53,12 +53,12 @@ def _pool_snapshot(pool) -> tuple:
 
 
 def _arena_snapshot(coord: KVCacheCoordinator) -> tuple:
-    """The decoupled layout's superblocks: kinds, conversions, bytes, per-pool held counts,
-    stamps, lent flags, convertible order (empty when unified)."""
+    """The decoupled layout's superblocks: kinds, conversions, bytes, per-pool stamps, lent
+    flags, all-free superblocks in walk order (empty when unified)."""
     a = coord.arena
     if a is None:
         return ()
-    pools = tuple((tuple(p.held), tuple(p.freed_at), tuple(p.lent), tuple(p.convertible.items()),
+    pools = tuple((tuple(p.freed_at), tuple(p.lent), tuple(p.find_free_superblocks(len(p.lent))),
                    p.num_reserved_blocks, p.clock.now) for p in (a.pages, a.slots))
     return tuple(a.kind), a.num_conversions, a.num_free_superblocks, a.bytes, pools
 
