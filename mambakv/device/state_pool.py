@@ -84,6 +84,8 @@ class MambaStatePool:
         # per layer: the state bytes of each row, as [N, k] wide ints (None: copy per state)
         self._rows: list[torch.Tensor] | None = None
         self._scratch: torch.Tensor | None = None
+        #: row 0 aliases live memory (the decoupled layout): check_invariants does not check it
+        self.null_row_aliased = False
         if views is None:
             self.device = checked_device(device) if device is not None else default_device()
             self._states = self._allocate()
@@ -100,16 +102,20 @@ class MambaStatePool:
     @classmethod
     def from_raw(cls, kv_cache_spec: MambaSpec, raw: Sequence[torch.Tensor], *,
                  copy_backend: CopyBackend | str = CopyBackend.TORCH,
-                 fused_tile_bytes: int | None = None) -> MambaStatePool:
+                 fused_tile_bytes: int | None = None, null_row_aliased: bool = False) -> MambaStatePool:
         """A pool over per-layer raw byte tensors ``raw[layer]`` (uint8 ``[num_blocks, >= page]``),
         as laid out by :class:`mambakv.device.layout.HybridLayout`; copies move whole byte rows
         (bytes ``[0, raw_page_size_bytes)`` of a row: the padding after the states is never
-        written).  ``copy_backend`` as in the constructor; raises InvalidSpecError likewise."""
+        written).  ``copy_backend`` as in the constructor; raises InvalidSpecError likewise.
+        Rows may be strided wider than the page (:class:`mambakv.device.decoupled.DecoupledLayout`:
+        one row per superblock); `null_row_aliased`: row 0 overlaps memory others write (the
+        decoupled layout's slot 0 covers live attention pages), so ``check_invariants`` skips it."""
         if not raw:
             raise InvalidSpecError("from_raw needs at least one raw tensor")
         views = [carve_state_views(r, kv_cache_spec) for r in raw]
         pool = cls(kv_cache_spec, len(raw), raw[0].shape[0], raw[0].device, views=views)
         pool._rows = [_wide_rows(r[:, : kv_cache_spec.raw_page_size_bytes]) for r in raw]
+        pool.null_row_aliased = null_row_aliased
         pool._init_backend(copy_backend, fused_tile_bytes)
         return pool
 
@@ -288,8 +294,11 @@ class MambaStatePool:
 
     def check_invariants(self) -> None:
         """Assert shapes, dtypes and devices match the spec and row 0 (null) is all zero bytes
-        (compared as bytes: torch counts no non-zeros of float8 tensors, and -0.0 is a write)."""
+        (compared as bytes: torch counts no non-zeros of float8 tensors, and -0.0 is a write;
+        not checked when ``null_row_aliased``)."""
         self._check_layout()
+        if self.null_row_aliased:
+            return
         for layer, states in enumerate(self._states):
             for i, t in enumerate(states):
                 row = t[0].reshape(-1).view(torch.uint8)

@@ -30,6 +30,7 @@ from tests.property.fuzz_checks import (
     check_requests,
     check_unchanged,
     hit_still_valid,
+    in_use,
     live_requests,
     snapshot,
 )
@@ -59,7 +60,10 @@ class FuzzEngine:
         self.align = math.lcm(*cfg.block_sizes)
         self.reqs: dict[str, ShadowReq] = {}
         self.batch: list[str] = []  # requests scheduled for the next execute, in order
-        self.published: dict[int, tuple] = {}  # block id -> (group, hash, token prefix)
+        #: (pool index in coord.pools, block id) -> (group, hash, token prefix)
+        self.published: dict[tuple[int, int], tuple] = {}
+        self.pools = self.coord.pools  # (block_pool,) unified; (pages, slots) decoupled
+        self._conversions = 0
         self.history: list[tuple[int, ...]] = list(cfg.bases)  # token sequences prompts are cut from
         self.starved = False  # the last allocate failed: the engine would preempt
         STATS["examples"] += 1
@@ -72,17 +76,26 @@ class FuzzEngine:
     def any(self, pred) -> bool:
         return any(pred(sr) for sr in self.reqs.values())
 
-    def _refs(self) -> list[int]:
-        return [b.ref_cnt for b in self.coord.block_pool.blocks]
+    def _refs(self, pool) -> list[int]:
+        return [b.ref_cnt for b in pool.blocks]
 
-    def _hashes(self) -> list:
-        return [(b.block_hash, b.cache_group_id) for b in self.coord.block_pool.blocks]
+    def _hashes(self) -> list[list]:
+        """Per pool, per block: (hash, group)."""
+        return [[(b.block_hash, b.cache_group_id) for b in pool.blocks] for pool in self.pools]
+
+    def _new_hashes(self, hashes_before: list[list]):
+        """The blocks (any pool) whose (hash, group) changed to a hash since `hashes_before`."""
+        for pool, before in zip(self.pools, hashes_before):
+            for b in pool.blocks:
+                if b.block_hash is not None and (b.block_hash, b.cache_group_id) != before[b.block_id]:
+                    yield b
 
     def _prefix(self, sr: ShadowReq, end: int) -> tuple[int, ...]:
         return tuple(sr.tokens[:end])
 
     def _publish(self, bid: int, gid: int, prefix: tuple) -> None:
-        self.published[bid] = (gid, self.coord.block_pool.blocks[bid].block_hash, prefix)
+        pi = self.cfg.pool_index(gid)
+        self.published[(pi, bid)] = (gid, self.pools[pi].blocks[bid].block_hash, prefix)
 
     def can_schedule(self, sr: ShadowReq) -> bool:
         return (sr.running and sr.scheduled is None and len(sr.unsettled) <= self.cfg.max_lag
@@ -96,7 +109,7 @@ class FuzzEngine:
     def pressure(self) -> bool:
         """Fewer free blocks than a new request needs, plus 2: when an engine preempts."""
         need = sum(1 + self.cfg.nspec if k == "mamba" else 1 for k in self.cfg.kinds)
-        return self.starved or self.coord.block_pool.get_num_free_blocks() < need + 2
+        return self.starved or sum(p.get_num_free_blocks() for p in self.pools) < need + 2
 
     def _chunk(self, computed: int, num_tokens: int, how: int, frac: int) -> int:
         """Prefill chunk: everything, up to the last LCM-aligned end, or any length."""
@@ -109,7 +122,7 @@ class FuzzEngine:
         return frac % remaining + 1
 
     def _hit_ok(self, sr: ShadowReq, hit, n: int) -> bool:
-        return hit_still_valid(self.cfg, self.coord.block_pool, self.published, sr.tokens, hit, n)
+        return hit_still_valid(self.cfg, self.pools, self.published, sr.tokens, hit, n)
 
     # ------------------------------------------------------------------ admission
     def add_request(self, src: int, cut: int, tail: list[int], max_tokens: int) -> None:
@@ -124,7 +137,7 @@ class FuzzEngine:
         before = snapshot(self.coord)
         hit, n = self.coord.get_computed_blocks(sr.request)
         check_unchanged(before, self.coord, "get_computed_blocks")
-        check_hit(self.cfg, self.coord.block_pool, self.published, self.device, sr.tokens, hit, n)
+        check_hit(self.cfg, self.pools, self.published, self.device, sr.tokens, hit, n)
         sr.pending_hit = (hit, n)
         STATS["hits"] += n > 0
         STATS["mamba hits"] += n > 0 and bool(self.cfg.mamba_gids)
@@ -178,9 +191,7 @@ class FuzzEngine:
     def _record_attention(self, sr: ShadowReq, hashes_before: list, num_tokens: int) -> None:
         """Attention blocks are published at allocation, only when full of real tokens."""
         real = min(num_tokens, sr.request.num_tokens)
-        for b in self.coord.block_pool.blocks:
-            if b.block_hash is None or (b.block_hash, b.cache_group_id) == hashes_before[b.block_id]:
-                continue
+        for b in self._new_hashes(hashes_before):
             g = b.cache_group_id
             assert self.cfg.kinds[g] != "mamba", f"PUBLISH: Mamba block {b.block_id} published at allocate"
             slot = sr.tables[g].index(b.block_id)
@@ -294,9 +305,7 @@ class FuzzEngine:
             slots = sr.retired[g] = max(slots, sr.retired.get(g, 0))
             for s in range(min(slots, len(sr.tables[g]))):
                 sr.tables[g][s] = 0
-        for b in self.coord.block_pool.blocks:
-            if b.block_hash is None or (b.block_hash, b.cache_group_id) == hashes[b.block_id]:
-                continue
+        for b in self._new_hashes(hashes):
             g = b.cache_group_id
             slot = old_tables[g].index(b.block_id)
             end = (slot + 1) * self.cfg.block_sizes[g]
@@ -327,7 +336,7 @@ class FuzzEngine:
             assert not set(pending) & old[g], f"STALE PLAN: {sr.rid} freed with copies/zeros {pending} pending"
         if sr.rid in self.batch:
             self.batch.remove(sr.rid)  # preempted before its step ran
-        if any(b.ref_cnt for b in self.coord.block_pool.blocks[1:]):
+        if any(in_use(p) for p in self.pools):
             before = snapshot(self.coord)
             assert not self.coord.reset_prefix_cache(), "RESET: succeeded while blocks are in use"
             check_unchanged(before, self.coord, "a refused reset_prefix_cache")
@@ -353,28 +362,30 @@ class FuzzEngine:
 
     # ------------------------------------------------------------------ cache maintenance
     def hashed(self) -> bool:
-        return any(b.block_hash is not None for b in self.coord.block_pool.blocks)
+        return any(b.block_hash is not None for p in self.pools for b in p.blocks)
 
     def reset_prefix_cache(self) -> None:
         """With nothing running it must succeed (the refusal is checked after every free)."""
         assert self.coord.reset_prefix_cache(), "RESET: refused with no block in use"
-        assert all(b.block_hash is None for b in self.coord.block_pool.blocks), "RESET: a hash survived"
-        assert not self.coord.block_pool.cached_block_hash_to_block or not any(
-            self.coord.block_pool.cached_block_hash_to_block.values()), "RESET: the map survived"
+        for p in self.pools:
+            assert all(b.block_hash is None for b in p.blocks), "RESET: a hash survived"
+            assert not p.cached_block_hash_to_block or not any(
+                p.cached_block_hash_to_block.values()), "RESET: the map survived"
 
     def evict(self, ids: list[int]) -> None:
         """``evict_blocks`` of a few block ids, held, free or null: hashes go, held blocks stay in
-        their tables, free ones move to the queue head (reused before cached blocks)."""
-        pool = self.coord.block_pool
+        their tables, free ones move to the queue head (reused before cached blocks). Decoupled:
+        in the pool the first id picks (its parity), withdrawn ids included (nothing happens)."""
+        pool = self.pools[ids[0] % len(self.pools)]
         ids = [i % pool.num_blocks for i in ids]
-        refs, queue = self._refs(), [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+        refs, queue = self._refs(pool), [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
         for i in dict.fromkeys(ids):  # a free block that loses its hash moves to the head
             if pool.blocks[i].block_hash is not None and refs[i] == 0:
                 queue.remove(i)
                 queue.insert(0, i)
         pool.evict_blocks(ids)
         assert all(pool.blocks[i].block_hash is None for i in ids), "EVICT: a hash survived"
-        assert self._refs() == refs, "EVICT: ref counts changed"
+        assert self._refs(pool) == refs, "EVICT: ref counts changed"
         assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()] == queue, "EVICT: queue order"
 
     # ------------------------------------------------------------------ checks
@@ -382,9 +393,13 @@ class FuzzEngine:
         """Every check of fuzz_checks plus the library's own, after every rule."""
         STATS["rules"] += 1
         check_requests(self.coord, self.cfg, self.reqs)  # first: its LEAK / BOUND name the request
-        check_pool(self.coord, self.reqs, self.published)
+        check_pool(self.coord, self.cfg, self.reqs, self.published)
         check_eviction_order(self.coord)
         self.coord.check_invariants()
+        if self.coord.arena is not None:
+            n = self.coord.arena.num_conversions
+            STATS["arena conversions"] += n - self._conversions
+            self._conversions = n
 
     def drain(self) -> None:
         """Every request ends: then every block is free (checked by check_requests too)."""
@@ -392,5 +407,4 @@ class FuzzEngine:
             if sr.running:
                 self._free(sr)
             del self.reqs[sr.rid]
-        pool = self.coord.block_pool
-        assert pool.get_num_free_blocks() == pool.num_blocks - 1, "LEAK: blocks held after every request ended"
+        assert not any(in_use(p) for p in self.pools), "LEAK: blocks held after every request ended"

@@ -48,6 +48,7 @@ def teeth_settings(max_examples: int) -> settings:
 
 class KVFuzzMachine(RuleBasedStateMachine):
     force_mamba: bool | None = None  # subclasses (teeth) may insist on a Mamba group
+    decoupled = False  # subclasses may run the decoupled layout (pages and slots over superblocks)
 
     def __init__(self) -> None:
         super().__init__()
@@ -59,7 +60,7 @@ class KVFuzzMachine(RuleBasedStateMachine):
     @initialize(data=st.data(), first=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 40), tokens,
                                                          st.integers(1, 8)), min_size=1, max_size=2))
     def setup(self, data, first) -> None:
-        self.e = FuzzEngine(data.draw(fuzz_configs(mamba=self.force_mamba), label="config"))
+        self.e = FuzzEngine(data.draw(fuzz_configs(mamba=self.force_mamba, decoupled=self.decoupled), label="config"))
         for args in first:
             self.e.add_request(*args)
 

@@ -10,6 +10,9 @@ code under test.
   hash block size dividing all of them, a pool where one full-length request always fits and a
   second or third mostly does not (evictions, failed allocations and preemptions are common),
   an async lag in {0, 1, 2}, spec decode on or off, EAGLE back-off on or off.
+  ``fuzz_configs(decoupled=True)``: the decoupled layout (issue 14): one block size for every
+  group (the page grid), attention pages and Mamba state slots carved from a few superblocks
+  of ``k`` in {1, 2, 3} pages, sized as above (one request always fits).
 * ``ShadowReq``: what the engine knows of one request (tokens, counts, steps in flight) and
   the block table each group should hold, computed from the rules of DESIGN.md 5 / 5.1.
 * ``Device``: one tag per Mamba block, ``(token prefix, position)`` of the state it holds.
@@ -32,6 +35,7 @@ from mambakv import (
     Request,
     SlidingWindowSpec,
 )
+from mambakv.core.arena import SuperblockGeometry
 
 ALPHABET = (1, 2, 3)  # three token ids: prompts collide on prefixes all the time
 MAX_MODEL_LEN = 32
@@ -57,6 +61,16 @@ class FuzzConfig:
     drafts: bool
     use_eagle: bool
     bases: tuple[tuple[int, ...], ...]  # token sequences prompts are cut from
+    #: decoupled layout: (superblocks, pages per superblock); None: unified (one pool)
+    superblocks: tuple[int, int] | None = None
+
+    @property
+    def decoupled(self) -> bool:
+        return self.superblocks is not None
+
+    def pool_index(self, g: int) -> int:
+        """Index in ``coord.pools`` of the pool group g takes blocks from."""
+        return 1 if self.superblocks is not None and self.kinds[g] == "mamba" else 0
 
     @property
     def mamba_gids(self) -> list[int]:
@@ -81,29 +95,47 @@ class FuzzConfig:
             else:
                 spec = MambaSpec(bs, ((2, 2),), ("float32",), mode="align", num_speculative_blocks=self.nspec)
             groups.append(KVCacheGroupSpec([f"layer{g}"], spec))
-        return KVCacheCoordinator(KVCacheConfig(self.num_blocks, groups), max_model_len=MAX_MODEL_LEN,
+        geo = None
+        if self.superblocks is not None:
+            n, k = self.superblocks
+            geo = SuperblockGeometry(n, k, 4, 4 * k - (k > 1))  # a slot leaves 1 B idle when k > 1
+        return KVCacheCoordinator(KVCacheConfig(self.num_blocks, groups, geo), max_model_len=MAX_MODEL_LEN,
                                   use_eagle=self.use_eagle, hash_block_size=self.hash_block_size)
 
 
 @st.composite
-def fuzz_configs(draw, mamba: bool | None = None) -> FuzzConfig:
-    """A small hybrid config. `mamba=True` forces at least one Mamba group."""
+def fuzz_configs(draw, mamba: bool | None = None, decoupled: bool = False) -> FuzzConfig:
+    """A small hybrid config. `mamba=True` forces at least one Mamba group; `decoupled`: the
+    decoupled layout (one block size, pages and slots from superblocks)."""
     kinds = draw(st.lists(st.sampled_from(["full", "swa", "mamba"]), min_size=1, max_size=3))
     if mamba and "mamba" not in kinds:
         kinds[0] = "mamba"
-    sizes = tuple(draw(st.sampled_from([2, 4, 8])) for _ in kinds)
+    if decoupled:
+        size = draw(st.sampled_from([2, 4, 8]))
+        sizes = tuple(size for _ in kinds)
+    else:
+        sizes = tuple(draw(st.sampled_from([2, 4, 8])) for _ in kinds)
     windows = tuple(draw(st.integers(1, 12)) if k == "swa" else 0 for k in kinds)
     nspec = draw(st.sampled_from([0, 1, 3]))
     hbs = draw(st.sampled_from([d for d in (1, 2, 4, 8) if all(s % d == 0 for s in sizes)]))
     # One request of MAX_MODEL_LEN tokens always fits (its whole prompt as one chunk: every
     # attention block, 2 + nspec states); a second or third one mostly does not.
     one = sum(2 + nspec if k == "mamba" else cdiv(MAX_MODEL_LEN, bs) for k, bs in zip(kinds, sizes))
-    num_blocks = 1 + one + draw(st.integers(0, one))
+    superblocks = None
+    if decoupled:
+        k = draw(st.integers(1, 3))
+        pages = sum(cdiv(MAX_MODEL_LEN, bs) for kd, bs in zip(kinds, sizes) if kd != "mamba")
+        slots = sum(2 + nspec for kd in kinds if kd == "mamba")
+        one = cdiv(max(0, pages - (k - 1)), k) + slots  # superblocks beyond superblock 0
+        superblocks = (1 + one + draw(st.integers(0, one)), k)
+        num_blocks = superblocks[0] * k
+    else:
+        num_blocks = 1 + one + draw(st.integers(0, one))
     drafts = draw(st.booleans()) and (nspec > 0 or "mamba" not in kinds)
     bases = tuple(tuple(draw(st.lists(st.sampled_from(ALPHABET), min_size=MAX_PROMPT, max_size=MAX_PROMPT)))
                   for _ in range(2))
     return FuzzConfig(tuple(kinds), sizes, windows, nspec, hbs, num_blocks, draw(st.sampled_from([0, 1, 2])),
-                      drafts, draw(st.booleans()), bases)
+                      drafts, draw(st.booleans()), bases, superblocks)
 
 
 @dataclass

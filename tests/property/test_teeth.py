@@ -12,7 +12,10 @@
    ``[unhashed ...][hashed ...]`` and a cached block would be evicted while an unhashed free
    block waits (the EVICTION ORDER check).
 
-Both runs are derandomized (same examples every time) and skip shrinking, so they are fast
+3. (decoupled layout) superblock 0 treated as convertible once its non-null pages are free
+   (the null block's ref count is 0): the arena would hand the null page's bytes to a state.
+
+The runs are derandomized (same examples every time) and skip shrinking, so they are fast
 and deterministic; each stops at the first failing example.
 """
 
@@ -22,8 +25,10 @@ import pytest
 from hypothesis.stateful import run_state_machine_as_test
 
 from mambakv import BlockPool, MambaManager
+from mambakv.core.arena_pool import ArenaPool
 from tests.helpers import retire_until_first_null
 from tests.property.fuzz_machine import KVFuzzMachine, teeth_settings
+from tests.property.test_fuzz import DecoupledFuzzMachine
 
 
 class MambaFuzzMachine(KVFuzzMachine):
@@ -60,3 +65,19 @@ def test_fuzzer_catches_stop_at_first_null_retirement(monkeypatch) -> None:
 def test_fuzzer_catches_unhashed_blocks_freed_to_the_tail(monkeypatch) -> None:
     monkeypatch.setattr(BlockPool, "free_blocks", free_unhashed_to_tail)
     _run_expecting(KVFuzzMachine, r"^EVICTION ORDER")
+
+
+def superblock_0_may_be_free(self, sb):
+    """ArenaPool.superblock_is_free without its superblock-0 rule: the null block's ref count
+    is 0, so superblock 0 looks free once its other pages are."""
+    if not self.lent[sb]:
+        return False
+    k = self.per_superblock
+    return not any(b.ref_cnt for b in self.blocks[sb * k:(sb + 1) * k])
+
+
+def test_decoupled_fuzzer_catches_superblock_0_converted(monkeypatch) -> None:
+    monkeypatch.setattr(ArenaPool, "superblock_is_free", superblock_0_may_be_free)
+    # caught when the arena withdraws superblock 0: its null block is in no queue
+    with pytest.raises(Exception, match=r"block 0 "):
+        run_state_machine_as_test(DecoupledFuzzMachine, settings=teeth_settings(max_examples=300))
