@@ -72,6 +72,10 @@ def _add_common(p: argparse.ArgumentParser, *, in_flight: int, spec_tokens: int)
                         "default) or unified (vLLM 0.33's one page size, bit for bit)")
     p.add_argument("--page-tokens", type=POSITIVE_INT, default=DEFAULT_PAGE_TOKENS,
                    help=f"attention page of the decoupled layout, tokens (a multiple of 16; default {DEFAULT_PAGE_TOKENS})")
+    p.add_argument("--placement", default=None, metavar="RULES",
+                   help="checkpoint placement: comma-separated rules where prefill chunks end (so where Mamba "
+                        "states are published): replay_boundary, junction, chunk_ends, chunk_grid:K; default "
+                        "chunk_ends,replay_boundary,junction (vLLM 0.33's)")
     p.add_argument("--decode-checkpoints", choices=("none", "every", "latest"), default=None,
                    help="decode-boundary states of the Mamba groups: every (eager align, a block per boundary; "
                         "the unified default), none (no decode-boundary state; the decoupled default), latest (running state in place, a spare near a boundary only if free without "
@@ -184,7 +188,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     common = dict(max_num_batched_tokens=args.max_num_batched_tokens, num_speculative_tokens=args.num_speculative_tokens,
                   in_flight=args.in_flight, memory_gib=args.memory_gib, use_eagle=args.use_eagle, seed=args.seed,
                   acceptance_rate=args.acceptance_rate, step_ms=args.step_ms, ms_per_token=args.ms_per_token,
-                  mamba_policy=_mamba_policy(args), layout=args.layout, page_tokens=args.page_tokens)
+                  mamba_policy=_mamba_policy(args), layout=args.layout, page_tokens=args.page_tokens,
+                  placement=args.placement.split(",") if args.placement else None)
     bar = None
     specs: list[RequestSpec] | None = None
     result: SimResult

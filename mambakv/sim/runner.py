@@ -50,14 +50,16 @@ def build_coordinator(model: str | Path = DEFAULT_MODEL, memory_gib: float = 60.
                       num_blocks: int | None = None, mamba_mode: str = "align",
                       max_model_len: int = DEFAULT_MAX_MODEL_LEN, mamba_policy: str | None = None,
                       max_num_seqs: int = 256, layout: str = "unified",
-                      page_tokens: int = DEFAULT_PAGE_TOKENS) -> KVCacheCoordinator:
+                      page_tokens: int = DEFAULT_PAGE_TOKENS,
+                      placement: Sequence[str] | None = None) -> KVCacheCoordinator:
     """A coordinator for `model` over `memory_gib` GiB (or exactly `num_blocks` blocks; in the
     decoupled layout, `num_blocks` superblocks).
 
     The Mamba groups get ``num_speculative_tokens`` speculative blocks. `mamba_policy`
     (``none`` / ``every`` / ``latest`` / ``latest-evict``, or an alias, see MAMBA_POLICIES)
     sets the Mamba groups' ``decode_checkpoints`` (None: the layout's default, ``every``
-    unified, ``none`` decoupled). `layout` and `page_tokens`: as ``build_kv_cache_config``.
+    unified, ``none`` decoupled). `layout` and `page_tokens`: as ``build_kv_cache_config``;
+    `placement`: checkpoint placement rule names (None: the layout's ``DEFAULT_PLACEMENT``).
 
     Raises:
         ModelConfigError: unknown model / unreadable config.
@@ -88,7 +90,7 @@ def build_coordinator(model: str | Path = DEFAULT_MODEL, memory_gib: float = 60.
         raise InvalidSpecError(f"a pool of {cfg.num_blocks:,} blocks ({src}) exceeds the simulator's limit of "
                                f"{MAX_NUM_BLOCKS:,} blocks; use less memory")
     coord = KVCacheCoordinator(cfg, max_model_len=max_model_len, enable_caching=enable_caching, use_eagle=use_eagle,
-                               max_num_seqs=max_num_seqs)
+                               max_num_seqs=max_num_seqs, checkpoint_placement=placement)
     for m in coord.mamba_managers:
         m.spare_may_evict = evict
     return coord
@@ -105,7 +107,8 @@ def _policy_name(coord: KVCacheCoordinator, mamba_policy: str | None) -> str | N
 
 def _layout_settings(coord: KVCacheCoordinator) -> dict[str, Any]:
     cfg = coord.kv_cache_config
-    return {"layout": cfg.layout, "page_tokens": coord.managers[0].block_size if cfg.superblocks else None}
+    return {"layout": cfg.layout, "page_tokens": coord.managers[0].block_size if cfg.superblocks else None,
+            "placement": list(coord.checkpoint_placement.names)}
 
 
 @dataclass
@@ -217,7 +220,8 @@ def run_workload(coord: KVCacheCoordinator, specs: Sequence[RequestSpec], *, one
 def run_replay(model: str | Path = DEFAULT_MODEL, *, prompt_tokens: int = 480_031, output_tokens: int = 4,
                max_num_batched_tokens: int = 8192, num_speculative_tokens: int = 5, in_flight: int = 2,
                memory_gib: float = 60.0, use_eagle: bool = False, seed: int = 0, mamba_policy: str | None = None,
-               layout: str = "unified", page_tokens: int = DEFAULT_PAGE_TOKENS, **kwargs: Any) -> SimResult:
+               layout: str = "unified", page_tokens: int = DEFAULT_PAGE_TOKENS,
+               placement: Sequence[str] | None = None, **kwargs: Any) -> SimResult:
     """One long prefill (default 480,031 tokens) then a few decode steps, DESIGN.md 5.1's replay.
 
     With the defaults each Mamba group's request peaks at ``2 + 5 + 2 = 9`` blocks.
@@ -230,7 +234,7 @@ def run_replay(model: str | Path = DEFAULT_MODEL, *, prompt_tokens: int = 480_03
                                      f"max_model_len {DEFAULT_MAX_MODEL_LEN:,}")
     coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens, use_eagle=use_eagle,
                               mamba_policy=mamba_policy, max_num_seqs=kwargs.get("max_num_seqs", 256),
-                              layout=layout, page_tokens=page_tokens)
+                              layout=layout, page_tokens=page_tokens, placement=placement)
     settings = {"workload": "replay", "model": str(model), "memory_gib": memory_gib,
                 "mamba_policy": _policy_name(coord, mamba_policy), **_layout_settings(coord),
                 "prompt_tokens_requested": prompt_tokens, "output_tokens_requested": output_tokens,
@@ -247,7 +251,7 @@ def run_trace(path: str | Path, model: str | Path = DEFAULT_MODEL, *, memory_gib
               use_eagle: bool = False, max_output_tokens: int | None = None, num_blocks: int | None = None,
               seed: int = 0, specs: Sequence[RequestSpec] | None = None, mamba_policy: str | None = None,
               replay: str = "strict", skip: int = 0, layout: str = "unified", page_tokens: int = DEFAULT_PAGE_TOKENS,
-              **kwargs: Any) -> SimResult:
+              placement: Sequence[str] | None = None, **kwargs: Any) -> SimResult:
     """A Mooncake JSONL trace (first `limit` requests after the first `skip` lines) through the scheduler.
 
     `replay`: ``"strict"`` (equal ids = equal tokens) or ``"conversation"`` (a next turn begins
@@ -265,7 +269,8 @@ def run_trace(path: str | Path, model: str | Path = DEFAULT_MODEL, *, memory_gib
         raise InvalidSpecError(f"unknown replay {replay!r}; known: {', '.join(REPLAY_MODES)}")
     coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens,
                               use_eagle=use_eagle, num_blocks=num_blocks, mamba_policy=mamba_policy,
-                              max_num_seqs=max_num_seqs, layout=layout, page_tokens=page_tokens)
+                              max_num_seqs=max_num_seqs, layout=layout, page_tokens=page_tokens,
+                              placement=placement)
     if specs is None:
         specs = load_trace(path, limit=limit, max_output_tokens=max_output_tokens, skip=skip)
     strict_specs = specs
@@ -294,11 +299,12 @@ def run_conversations(model: str | Path = DEFAULT_MODEL, *, num_conversations: i
                       num_speculative_tokens: int = 0, in_flight: int = 0, one_at_a_time: bool = False,
                       use_eagle: bool = False, seed: int = 0, specs: Sequence[RequestSpec] | None = None,
                       mamba_policy: str | None = None, layout: str = "unified",
-                      page_tokens: int = DEFAULT_PAGE_TOKENS, **kwargs: Any) -> SimResult:
+                      page_tokens: int = DEFAULT_PAGE_TOKENS, placement: Sequence[str] | None = None,
+                      **kwargs: Any) -> SimResult:
     """Multi-turn chats (:func:`~mambakv.sim.workloads.conversations`) through the scheduler."""
     coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens, use_eagle=use_eagle,
                               mamba_policy=mamba_policy, max_num_seqs=max_num_seqs, layout=layout,
-                              page_tokens=page_tokens)
+                              page_tokens=page_tokens, placement=placement)
     if specs is None:
         specs = conversations(num_conversations, turns, seed=seed)
     settings = {"workload": "chat", "model": str(model), "memory_gib": memory_gib,
