@@ -7,6 +7,7 @@ import json
 import sys
 
 from mambakv.cli_args import COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, number, progress
+from mambakv.models.kv_config import LAYOUTS
 from mambakv.plot import check_plot_path
 
 __all__ = ["FLEET_INDEXES", "FLEET_LOAD_BOUND", "FLEET_ROUTERS", "add_fleet_arguments", "run_fleet_command"]
@@ -31,6 +32,7 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", default=None, help="packaged model name; default qwen3-next-80b-a3b")
     src.add_argument("--config", default=None, metavar="CONFIG_JSON", help="a Hugging Face config.json")
     p.add_argument("--memory-gib", type=POSITIVE, default=60.0, help="memory per instance (GiB, default 60)")
+    p.add_argument("--layout", choices=LAYOUTS, default="decoupled", help="as for `mambakv trace` (default decoupled)")
     p.add_argument("--max-num-batched-tokens", type=POSITIVE_INT, default=8192, help="per step (default 8192)")
     p.add_argument("--max-num-seqs", type=POSITIVE_INT, default=256, help="most running requests (default 256)")
     p.add_argument("--limit", type=POSITIVE_INT, default=None, help="first N requests (default: all)")
@@ -57,6 +59,7 @@ def run_fleet_command(args: argparse.Namespace) -> str:
         result = run_fleet(args.path, args.config or args.model or DEFAULT_MODEL, instances=args.instances,
                            router=args.router, load_bound=args.load_bound, index=args.index,
                            memory_gib=args.memory_gib, limit=args.limit, skip=args.skip, replay=args.replay,
+                           layout=args.layout,
                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                            specs=specs, on_finish=(lambda _r: bar.update(1)) if bar is not None else None,
                            step_ms=args.step_ms, ms_per_token=args.ms_per_token, seed=args.seed)

@@ -75,7 +75,7 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries):
             the last hit position).
         hash_block_size: tokens per request hash block; None = the smallest group block size.
             It must divide every group's block size.
-        enable_kv_cache_events: record KV events in the pool (``block_pool.take_events()``).
+        enable_kv_cache_events: record KV events in the pools (``take_events()``).
         max_num_seqs: accepted for 0.x callers, unused (nothing is reserved per request slot).
         lazy_spare_may_evict: Mamba groups with ``decode_checkpoints="latest"`` may evict a
             cached block for a spare (a benchmark knob; the default never does).

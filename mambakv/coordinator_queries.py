@@ -9,6 +9,7 @@ from mambakv.core.arena import SuperblockArena
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
 from mambakv.core.errors import InvalidRequestError, as_count
+from mambakv.core.events import KVCacheEvent
 from mambakv.core.request import Request
 from mambakv.groups import MambaManager, SingleTypeKVCacheManager, StatePlan
 from mambakv.hits import PrefixCacheStats, PrefixHitFinder
@@ -205,6 +206,14 @@ class CoordinatorQueries:
         if self.state_block_pool is self.block_pool:
             return (self.block_pool,)
         return (self.block_pool, self.state_block_pool)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Drain the KV events of every pool: ``block_pool.take_events()``, then (decoupled)
+        ``state_block_pool.take_events()`` (each pool's events in order; empty unless events
+        are enabled)."""
+        if self.state_block_pool is self.block_pool:
+            return self.block_pool.take_events()
+        return self.block_pool.take_events() + self.state_block_pool.take_events()
 
     @property
     def usage(self) -> float:

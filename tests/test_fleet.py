@@ -206,10 +206,17 @@ def test_real_trace_kv_matches_dynamo_and_oracle_counts():
 # ---------------------------------------------------------------------- the command
 def test_cli_fleet_json(tmp_path, capsys):
     path = write(tmp_path, [A, B, C(1000)])
-    assert main(["fleet", str(path), "--instances", "2", "--router", "kv", "--json"]) == 0
+    assert main(["fleet", str(path), "--instances", "2", "--router", "kv", "--json", "--layout", "unified"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["hit_rate"] == 0.2125 and d["instances"] == 2 and d["router"] == "kv"
     assert [p["hit_rate"] for p in d["per_instance"]] == [0.0, round(1088 / 3584, 6)]
+    # Decoupled (the default): B's last chunk ends at 1536, on the 64-token grid, so its state
+    # there is published; the kv router (fed both pools' events) sends C to B's instance, and C
+    # hits all of B: 1536 / (1536 + 2048) there, 1536 / 5120 overall.
+    assert main(["fleet", str(path), "--instances", "2", "--router", "kv", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["hit_rate"] == 0.3 and d["layout"] == "decoupled"
+    assert [p["hit_rate"] for p in d["per_instance"]] == [0.0, round(1536 / 3584, 6)]
     for key in ("queue_delay_ms_mean", "queue_delay_ms_p90", "max_scheduled_share", "preemptions"):
         assert key in d
     for key in ("preemptions", "peak_running", "peak_waiting", "finished", "scheduled_share"):
@@ -218,7 +225,7 @@ def test_cli_fleet_json(tmp_path, capsys):
 
 def test_cli_fleet_table(tmp_path, capsys):
     path = write(tmp_path, [A, B, C(1000)])
-    assert main(["fleet", str(path), "--instances", "2", "--router", "oracle"]) == 0
+    assert main(["fleet", str(path), "--instances", "2", "--router", "oracle", "--layout", "unified"]) == 0
     out = capsys.readouterr().out
     assert "hit rate      0.2125" in out and "router oracle (load bound 1.5x mean)" in out
 

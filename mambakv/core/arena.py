@@ -201,8 +201,8 @@ class SuperblockArena:
         after the step's hits are touched, with the pops still to come.
 
         Raises:
-            OutOfBlocksError: the pools cannot supply it (``can_supply`` said no); nothing is
-                converted past what was already possible.
+            OutOfBlocksError: not enough state slots can be found (``can_supply`` said no);
+                pages are not checked here: the page pops themselves raise when short.
         """
         self._room_for_slots(num_slots, num_pages)
         self._room_for_pages(num_pages, num_slots)

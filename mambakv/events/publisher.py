@@ -5,7 +5,7 @@ scheduler's step.
 
     pub = ZmqEventPublisher.for_coordinator(coord, "tcp://*:5557", replay_endpoint="tcp://*:5558")
     ...                                   # each scheduler step, after allocate / retire / free:
-    pub.publish(coord.block_pool.take_events())
+    pub.publish(coord.take_events())
     ...
     pub.close()
 
@@ -182,8 +182,8 @@ class ZmqEventPublisher:
         return True
 
     def publish_from(self, coord: KVCacheCoordinator) -> bool:
-        """``publish(coord.block_pool.take_events())``."""
-        return self.publish(coord.block_pool.take_events())
+        """``publish(coord.take_events())`` (every pool's events)."""
+        return self.publish(coord.take_events())
 
     def _offer(self, item: object) -> bool:
         try:

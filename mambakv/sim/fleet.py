@@ -195,7 +195,7 @@ class Fleet:
         while inst.unadmitted and inst.unadmitted[0].admitted:
             inst.delays_ms.append(start - inst.unadmitted.popleft().spec.arrival_ms)
         if inst.announcer is not None:
-            routed = inst.announcer.feed(inst.sched.coord.block_pool.take_events())
+            routed = inst.announcer.feed(inst.sched.coord.take_events())
             if routed:
                 assert self.index is not None
                 self.index.apply(inst.index, routed)
@@ -235,9 +235,10 @@ def run_fleet(path: str | Path, model: str | Path = DEFAULT_MODEL, *, instances:
               memory_gib: float = 60.0, limit: int | None = None, skip: int = 0, replay: str = "strict",
               max_num_seqs: int = 256, max_output_tokens: int | None = None,
               specs: Sequence[RequestSpec] | None = None, on_finish: Callable[[SimRequest], None] | None = None,
-              num_blocks: int | None = None, **scheduler_kwargs: Any) -> FleetResult:
+              num_blocks: int | None = None, layout: str = "unified", **scheduler_kwargs: Any) -> FleetResult:
     """A Mooncake trace (first `limit` requests after `skip` lines) through `instances`
-    schedulers of `memory_gib` GiB each behind `router` (module docstring).
+    schedulers of `memory_gib` GiB each behind `router` (module docstring), each in `layout`
+    (as ``build_kv_cache_config``; routers see the attention pages' events).
 
     `replay` as in :func:`~mambakv.sim.runner.run_trace`; `specs`, when given, must be the
     trace's (``load_trace(path, limit=limit, skip=skip, ...)``). Prompts that cannot fit
@@ -260,7 +261,7 @@ def run_fleet(path: str | Path, model: str | Path = DEFAULT_MODEL, *, instances:
         hooks.append(on_finish)
     finished = chain_hooks(hooks)
 
-    base = build_coordinator(model, memory_gib, num_blocks=num_blocks, max_num_seqs=max_num_seqs)
+    base = build_coordinator(model, memory_gib, num_blocks=num_blocks, max_num_seqs=max_num_seqs, layout=layout)
     kv = router == RouterKind.KV.value  # the kv router reads each instance's KV events
     coords = [KVCacheCoordinator(base.kv_cache_config, max_model_len=base.max_model_len, enable_kv_cache_events=kv,
                                  max_num_seqs=max_num_seqs) for _ in range(instances)]
@@ -271,7 +272,7 @@ def run_fleet(path: str | Path, model: str | Path = DEFAULT_MODEL, *, instances:
     fleet.run(kept)
     settings = {"workload": "fleet", "trace": str(path), "model": str(model), "instances": instances,
                 "router": router, "load_bound": load_bound, "index": index if router == "kv" else None,
-                "memory_gib": memory_gib, "replay": replay, "skip": skip, "limit": limit,
+                "memory_gib": memory_gib, "layout": layout, "replay": replay, "skip": skip, "limit": limit,
                 "max_num_seqs": max_num_seqs}
     result = FleetResult(fleet, settings, rejected=len(specs) - len(kept))
     if replay == "conversation":
