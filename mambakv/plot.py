@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mambakv.core.errors import MambaKVError
 from mambakv.report import GIB, MIB
@@ -16,7 +16,7 @@ from mambakv.report import GIB, MIB
 if TYPE_CHECKING:
     from mambakv.sim.runner import SimResult
 
-__all__ = ["PLOT_SUFFIXES", "check_plot_path", "merge_identical_groups", "plot_series", "write_plot"]
+__all__ = ["PLOT_SUFFIXES", "check_plot_path", "merge_identical_groups", "plot_budget", "plot_series", "write_plot"]
 
 #: File types ``--plot`` writes (matplotlib picks the format from the suffix).
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
@@ -81,6 +81,23 @@ def merge_identical_groups(kinds: list[str], usage: list[tuple[int, ...]]) -> li
     return list(bands.values())
 
 
+def plot_budget(ax: Any, byte_series: list[tuple[int, float, int, int, int]], steps: list[int],
+                held: list[float]) -> None:
+    """Decoupled layout: the byte budget in attention pages, states and idle state-superblock
+    tails (fragmentation), stacked in GiB per step (cached and held alike), and the GiB the
+    requests' tables hold (a line)."""
+    at = [s[0] for s in byte_series]
+    pages, states, idle = ([s[i] / GIB for s in byte_series] for i in (2, 3, 4))
+    ax.stackplot(at, pages, states, idle, step="post", alpha=0.85, colors=("C0", "C1", "lightgray"),
+                 labels=(f"attention pages (end {pages[-1]:,.1f} GiB)", f"Mamba states (peak {max(states):,.1f} GiB)",
+                         f"idle state tails = fragmentation (peak {max(idle):,.2f} GiB)"))
+    ax.step(steps, held, where="post", color="black", linewidth=1,
+            label=f"held by requests (peak {max(held, default=0):,.2f} GiB)")
+    ax.set_ylabel("budget (GiB)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.08, 1.0), fontsize="small", frameon=False)
+
+
 def write_plot(result: SimResult, path: str) -> None:
     """A chart for sizing memory: blocks in use (stacked by group, against the pool's capacity,
     with GiB on the right) above the running prefix-cache hit rate, per scheduler step; the
@@ -97,6 +114,35 @@ def write_plot(result: SimResult, path: str) -> None:
     per_block = d["bytes_per_block"]
     gib_total = d.get("memory_gib", round(pool.num_blocks * per_block / GIB, 2))  # a bare run_workload: no settings
     fig, (ax, axh) = plt.subplots(2, 1, sharex=True, figsize=(10, 6.5), height_ratios=(3, 1.3))
+    if m.byte_series:  # decoupled: blocks of two sizes; the top panel is the byte budget instead
+        arena = d["arena"]
+        unit = [arena["page_bytes"] if g.kind != "mamba" else arena["superblock_bytes"] for g in m.groups]
+        held = [sum(n * b for n, b in zip(u, unit)) / GIB for u in usage]
+        plot_budget(ax, m.byte_series, steps, held)
+        title = (f"{arena['superblocks']:,} superblocks x {arena['superblock_bytes'] / MIB:.2f} MiB "
+                 f"(k = {arena['pages_per_superblock']} pages of {d.get('page_tokens')} tokens)")
+    else:
+        plot_blocks(ax, result, steps, usage, per_block, gib_total)
+        title = f"{d['num_blocks']:,} blocks x {per_block / MIB:.2f} MiB"
+    plot_hits(axh, steps, hits, d)
+    rejected = f", {d['rejected']:,} rejected" if d.get("rejected") else ""
+    settings = ", ".join(f"{v} {k}" for k, v in (("tokens/step", d.get("max_num_batched_tokens")),
+                                                  ("speculative tokens", d.get("num_speculative_tokens")),
+                                                  ("in flight", d.get("in_flight"))) if v is not None)
+    policy = f"Mamba policy {d['mamba_policy']}; " if "mamba_policy" in d else ""
+    fig.suptitle(f"{d.get('model', 'model')} ({d.get('workload', 'run')}): {title} = {gib_total:g} GiB\n"
+                 f"{settings}{'; ' if settings else ''}{policy}"
+                 f"{d['finished']:,}/{d['requests']:,} requests finished{rejected}, "
+                 f"{d['preemptions']:,} preemptions", fontsize="medium")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_blocks(ax: Any, result: SimResult, steps: list[int], usage: list[tuple[int, ...]], per_block: int,
+                gib_total: float) -> None:
+    """Unified layout: blocks held per group, stacked, against the pool's capacity."""
+    m, pool = result.metrics, result.coord.block_pool
     bands = merge_identical_groups([g.kind for g in m.groups], usage)
     ys, labels, colors = [], [], [f"C{i}" for i in range(len(bands))]
     reserved = pool.num_reserved_blocks  # blocks taken out of circulation (reserve_blocks), in no table
@@ -133,6 +179,9 @@ def write_plot(result: SimResult, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.08, 1.0), fontsize="small", frameon=False)
 
+
+def plot_hits(axh: Any, steps: list[int], hits: list[float], d: dict[str, Any]) -> None:
+    """The running prefix-cache hit rate."""
     axh.step(steps, hits, where="post", color="black")
     top = max(hits, default=0.0)
     axh.set_ylim(0, top * 1.25 if top > 0 else 0.01)
@@ -141,16 +190,3 @@ def write_plot(result: SimResult, path: str) -> None:
     axh.grid(alpha=0.3)
     axh.text(1.02, 0.5, f"final hit rate {d['hit_rate']:.4f}\n{d['cached_tokens']:,} of {d['prompt_tokens']:,}\n"
              f"prompt tokens cached", transform=axh.transAxes, va="center", fontsize="small")
-
-    rejected = f", {d['rejected']:,} rejected" if d.get("rejected") else ""
-    settings = ", ".join(f"{v} {k}" for k, v in (("tokens/step", d.get("max_num_batched_tokens")),
-                                                  ("speculative tokens", d.get("num_speculative_tokens")),
-                                                  ("in flight", d.get("in_flight"))) if v is not None)
-    policy = f"Mamba policy {d['mamba_policy']}; " if "mamba_policy" in d else ""
-    fig.suptitle(f"{d.get('model', 'model')} ({d.get('workload', 'run')}): {d['num_blocks']:,} blocks x "
-                 f"{per_block / MIB:.2f} MiB = {gib_total:g} GiB\n{settings}{'; ' if settings else ''}{policy}"
-                 f"{d['finished']:,}/{d['requests']:,} requests finished{rejected}, "
-                 f"{d['preemptions']:,} preemptions", fontsize="medium")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

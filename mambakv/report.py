@@ -12,10 +12,13 @@ __all__ = ["GIB", "MIB", "REPORT_HELP", "format_report"]
 MIB = 1 << 20
 GIB = 1 << 30
 
-REPORT_HELP = """report: line 1 is the pool (blocks x bytes per block, memory) and the settings; the table has
+REPORT_HELP = """report: line 1 is the pool (blocks x bytes per block, memory; decoupled layout: superblocks
+x bytes, each k attention pages or one state) and the settings; the table has
 one row per KV-cache group: kind, layers, block size (tokens), the most blocks its tables held
 at once (and MiB), and for Mamba groups the most blocks one request held (at most 2 + speculative
-tokens + steps in flight); then the pool's peak, whether every block came back, requests
+tokens + steps in flight); then the pool's peak (decoupled: where the budget is at the end, in
+pages, states, the idle tails of state superblocks (fragmentation) and free superblocks, the mean
+and peak state bytes, and how many superblocks changed pool), whether every block came back, requests
 finished / rejected (a prompt of max_model_len tokens or more is rejected before the run), the
 prefix hit rate (cached / prompt tokens, each request counted at its first admission), for a
 trace the hit tokens by cause (shared first block / next turn / branch / repeat) and the tokens
@@ -30,9 +33,15 @@ def format_report(d: dict[str, Any]) -> str:
     `d` is ``SimResult.to_dict()`` of a run the command made (its settings included: model,
     memory_gib, max_num_batched_tokens, num_speculative_tokens, in_flight).
     """
-    lines = [f"model {d['model']}: {d['num_blocks']:,} blocks x {d['bytes_per_block'] / MIB:.2f} MiB "
-             f"({d['memory_gib']:g} GiB); budget {d['max_num_batched_tokens']} tokens/step, "
-             f"{d['num_speculative_tokens']} speculative tokens, {d['in_flight']} steps in flight"]
+    arena = d.get("arena")
+    if arena is None:
+        memory = f"{d['num_blocks']:,} blocks x {d['bytes_per_block'] / MIB:.2f} MiB"
+    else:
+        memory = (f"decoupled, {arena['superblocks']:,} superblocks x {arena['superblock_bytes'] / MIB:.2f} MiB "
+                  f"({arena['pages_per_superblock']} pages of {d['page_tokens']} tokens = "
+                  f"{arena['page_bytes'] / MIB:.2f} MiB, or one {arena['state_bytes'] / MIB:.2f} MiB state)")
+    lines = [f"model {d['model']}: {memory} ({d['memory_gib']:g} GiB); budget {d['max_num_batched_tokens']} "
+             f"tokens/step, {d['num_speculative_tokens']} speculative tokens, {d['in_flight']} steps in flight"]
     header = ("group", "kind", "layers", "block", "peak blocks", "peak MiB", "Mamba blocks/request")
     rows = [header]
     for i, g in enumerate(d["groups"]):
@@ -44,8 +53,17 @@ def format_report(d: dict[str, Any]) -> str:
         lines.append("  ".join(cell.ljust(w) if c == 1 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths))))
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
-    lines.append(f"pool peak {d['peak_blocks']:,} blocks ({d['peak_bytes'] / MIB:,.1f} MiB); "
-                 f"all blocks returned: {'yes' if d['blocks_returned'] else 'NO'}")
+    if arena is None:
+        lines.append(f"pool peak {d['peak_blocks']:,} blocks ({d['peak_bytes'] / MIB:,.1f} MiB); "
+                     f"all blocks returned: {'yes' if d['blocks_returned'] else 'NO'}")
+    else:
+        end = arena["final_bytes"]
+        lines.append(f"budget at the end: pages {end['pages'] / GIB:,.2f} GiB, states {end['states'] / GIB:,.2f} GiB, "
+                     f"idle in state superblocks {end['idle'] / GIB:,.2f} GiB (fragmentation), free "
+                     f"{end['free'] / GIB:,.2f} GiB; states mean {arena['mean_state_bytes'] / GIB:,.2f} / peak "
+                     f"{arena['peak_state_bytes'] / GIB:,.2f} GiB, fragmentation mean {arena['mean_idle_bytes'] / GIB:,.2f}"
+                     f" GiB; {arena['conversions']:,} superblock conversions; all blocks returned: "
+                     f"{'yes' if d['blocks_returned'] else 'NO'}")
     rejected = f", {d['rejected']:,} rejected" if d.get("rejected") else ""
     lines.append(f"requests {d['finished']:,}/{d['requests']:,} finished{rejected}; prompt {d['prompt_tokens']:,} tokens, "
                  f"cached {d['cached_tokens']:,}, hit rate {d['hit_rate']:.4f}; output {d['output_tokens']:,} tokens")
