@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from mambakv.coordinator_pools import CoordinatorPools
 from mambakv.coordinator_queries import CoordinatorQueries
 from mambakv.coordinator_results import CoordinatorResults
 from mambakv.core.arena import SuperblockArena
@@ -34,7 +35,7 @@ from mambakv.core.errors import (
     as_count,
 )
 from mambakv.core.request import Request
-from mambakv.core.spec import KVCacheConfig, KVCacheSpec, MambaCacheMode, MambaSpec
+from mambakv.core.spec import KVCacheConfig, MambaCacheMode
 from mambakv.groups import MambaManager, SingleTypeKVCacheManager, make_manager
 from mambakv.hits import PrefixCacheStats, PrefixHitFinder
 from mambakv.placement import CheckpointPlacement, placement_from_names
@@ -64,7 +65,7 @@ def share_identical_policies(managers: Sequence[SingleTypeKVCacheManager]) -> tu
     return tuple(m for m in managers if not m.is_follower)
 
 
-class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries):
+class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPools):
     """One BlockPool shared by all groups, one manager per group.
 
     Args:
@@ -319,29 +320,3 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries):
             self._copies_pending = self._zeros_pending = True
         # Most decode steps need no block: hand out one shared empty result (do not mutate it).
         return KVCacheBlocks(tuple(new_blocks)) if any_new else self._empty_blocks
-
-    def pool_of(self, spec: KVCacheSpec) -> BlockPool:
-        """The pool a group of `spec` takes blocks from: ``state_block_pool`` for Mamba specs."""
-        return self.state_block_pool if isinstance(spec, MambaSpec) else self.block_pool
-
-    def _count_pools(self, rid: str, num_tokens: int, policy_hits: Sequence[Sequence[Sequence[KVCacheBlock]]],
-                     num_computed: int, num_lookahead_tokens: int) -> tuple[int, int]:
-        """(pages, slots) the step takes, free hit blocks included (the decoupled count)."""
-        need = [0, 0]
-        for p, ph, slot in zip(self.policies, policy_hits, self._takes_slots):
-            need[slot] += p.count_columns(rid, num_tokens, ph, num_computed, num_lookahead_tokens)
-        return need[0], need[1]
-
-    def _count_admission(self, request: Request, num_hit_tokens: int) -> None:
-        """PrefixCacheStats: once per admission; a Request seen before is a resumed preemption."""
-        if self.enable_caching:
-            stats = self.prefix_cache_stats
-            if request.num_admissions:
-                stats.preempted_requests += 1
-                stats.preempted_queries += request.num_tokens
-                stats.preempted_hits += num_hit_tokens
-            else:
-                stats.requests += 1
-                stats.queries += request.num_tokens
-                stats.hits += num_hit_tokens
-        request.num_admissions += 1

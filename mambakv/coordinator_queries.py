@@ -3,13 +3,11 @@ drains, read-only views and invariants. Nothing here allocates or frees a block.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
+from mambakv.coordinator_pools import CoordinatorPools
 from mambakv.core.arena import SuperblockArena
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
 from mambakv.core.errors import InvalidRequestError, as_count
-from mambakv.core.events import KVCacheEvent
 from mambakv.core.request import Request
 from mambakv.groups import MambaManager, SingleTypeKVCacheManager, StatePlan
 from mambakv.hits import PrefixCacheStats, PrefixHitFinder
@@ -18,7 +16,7 @@ from mambakv.plans import EMPTY_STEP_PLAN, GroupPlan, KVCacheBlocks, RequestView
 from mambakv.request_state import RequestState, describe
 
 
-class CoordinatorQueries:
+class CoordinatorQueries(CoordinatorPools):
     """Mixed into KVCacheCoordinator, which sets every attribute declared here."""
 
     managers: tuple[SingleTypeKVCacheManager, ...]
@@ -44,10 +42,6 @@ class CoordinatorQueries:
     _no_hits: tuple[tuple[()], ...]
     checkpoint_placement: CheckpointPlacement
     chunk_alignment: int
-
-    def _count_pools(self, rid: str, num_tokens: int, policy_hits: Sequence[Sequence[Sequence[KVCacheBlock]]],
-                     num_computed: int, num_lookahead_tokens: int) -> tuple[int, int]:
-        raise NotImplementedError  # KVCacheCoordinator._count_pools
 
     # ------------------------------------------------------------------ prefix hits
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
@@ -190,58 +184,6 @@ class CoordinatorQueries:
                 blocks.clear()
         for m in self.mamba_managers:
             m.drop_checkpoint_writes()
-
-    def reset_prefix_cache(self) -> bool:
-        """Drop every cached hash; False (nothing changed) while any block is in use. To reset
-        with requests running, call ``preempt_all()`` first."""
-        pools = self.pools
-        if any(p.get_num_free_blocks() != p.num_blocks - 1 - p.num_reserved_blocks for p in pools):
-            return False  # all or nothing: check every pool before dropping any hash
-        return all([bool(p.reset_prefix_cache()) for p in pools])
-
-    @property
-    def pools(self) -> tuple[BlockPool, ...]:
-        """Every pool: ``(block_pool,)`` unified; ``(block_pool, state_block_pool)`` (pages,
-        state slots) decoupled."""
-        if self.state_block_pool is self.block_pool:
-            return (self.block_pool,)
-        return (self.block_pool, self.state_block_pool)
-
-    def take_events(self) -> list[KVCacheEvent]:
-        """Drain the KV events of every pool: ``block_pool.take_events()``, then (decoupled)
-        ``state_block_pool.take_events()`` (each pool's events in order; empty unless events
-        are enabled)."""
-        if self.state_block_pool is self.block_pool:
-            return self.block_pool.take_events()
-        return self.block_pool.take_events() + self.state_block_pool.take_events()
-
-    @property
-    def usage(self) -> float:
-        """Fraction of the cache memory in tables: ``block_pool.usage`` unified; decoupled, the
-        arena's bytes in held pages and slots over its budget (``arena.usage``)."""
-        return self.block_pool.usage if self.arena is None else self.arena.usage
-
-    def can_allocate(self, request: Request, num_new_tokens: int, *, num_new_computed_tokens: int = 0,
-                     new_computed_blocks: KVCacheBlocks | None = None, num_lookahead_tokens: int = 0) -> bool:
-        """Whether ``allocate`` with these arguments would find room now (its own count; free hit
-        blocks included), in either layout. Read-only; pins and checks nothing.
-
-        Raises:
-            InvalidTokenCountError: a negative or non-int count.
-        """
-        if self.arena is None:
-            need = self.num_blocks_needed(request, num_new_tokens, num_new_computed_tokens=num_new_computed_tokens,
-                                          new_computed_blocks=new_computed_blocks,
-                                          num_lookahead_tokens=num_lookahead_tokens)
-            return need <= self.block_pool.get_num_free_blocks()
-        num_new_tokens = as_count(num_new_tokens, "num_new_tokens")
-        num_computed = request.num_computed_tokens + as_count(num_new_computed_tokens, "num_new_computed_tokens")
-        num_tokens = num_computed + num_new_tokens
-        lookahead = max(0, min(as_count(num_lookahead_tokens, "num_lookahead_tokens"), self.max_model_len - num_tokens))
-        hits = new_computed_blocks.blocks if new_computed_blocks is not None else self._no_hits
-        policy_hits = [[hits[g] for g in cols] for cols in self._columns]
-        pages, slots = self._count_pools(request.request_id, num_tokens, policy_hits, num_computed, lookahead)
-        return self.arena.can_supply(pages, slots, (b for h in hits for b in h))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Block ids of the request's table in every group (null entries are 0)."""

@@ -5,7 +5,9 @@ calls when a step's outputs come back (``retire``, ``accept_drafts``) and when a
 from __future__ import annotations
 
 from mambakv.core.errors import InvalidDraftCountError, InvalidRequestError, InvalidTokenCountError, as_count
+from mambakv.core.request import Request
 from mambakv.groups import MambaManager, SingleTypeKVCacheManager
+from mambakv.hits import PrefixCacheStats
 from mambakv.placement import CheckpointPlacement
 from mambakv.request_state import RequestState
 
@@ -21,6 +23,7 @@ class CoordinatorResults:
     _mamba_policies: tuple[MambaManager, ...]
     _live: dict[str, RequestState]
     checkpoint_placement: CheckpointPlacement
+    prefix_cache_stats: PrefixCacheStats
 
     def retire(self, request_id: str, num_processed_tokens: int) -> None:
         """Outputs came back: `num_processed_tokens` (settled, never the optimistic scheduled
@@ -117,3 +120,17 @@ class CoordinatorResults:
             self.free(request.request_id)
             request.num_computed_tokens = 0
         return [r.request_id for r in requests]
+
+    def _count_admission(self, request: Request, num_hit_tokens: int) -> None:
+        """PrefixCacheStats: once per admission; a Request seen before is a resumed preemption."""
+        if self.enable_caching:
+            stats = self.prefix_cache_stats
+            if request.num_admissions:
+                stats.preempted_requests += 1
+                stats.preempted_queries += request.num_tokens
+                stats.preempted_hits += num_hit_tokens
+            else:
+                stats.requests += 1
+                stats.queries += request.num_tokens
+                stats.hits += num_hit_tokens
+        request.num_admissions += 1

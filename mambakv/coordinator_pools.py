@@ -1,0 +1,104 @@
+"""The pool side of :class:`~mambakv.coordinator.KVCacheCoordinator`: which pool a group takes
+blocks from, counting a step per pool, room checks, usage, events and resets, in either layout::
+
+    layout      block_pool            state_block_pool      arena
+    unified     the one BlockPool     block_pool itself     None
+    decoupled   arena.pages (pages)   arena.slots (states)  SuperblockArena (one byte budget)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mambakv.core.arena import SuperblockArena
+from mambakv.core.block import KVCacheBlock
+from mambakv.core.block_pool import BlockPool
+from mambakv.core.errors import as_count
+from mambakv.core.events import KVCacheEvent
+from mambakv.core.request import Request
+from mambakv.core.spec import KVCacheSpec, MambaSpec
+from mambakv.groups import SingleTypeKVCacheManager
+from mambakv.plans import KVCacheBlocks
+
+__all__ = ["CoordinatorPools"]
+
+
+class CoordinatorPools:
+    """Mixed into KVCacheCoordinator, which sets every attribute declared here."""
+
+    block_pool: BlockPool
+    state_block_pool: BlockPool
+    arena: SuperblockArena | None
+    policies: tuple[SingleTypeKVCacheManager, ...]
+    max_model_len: int
+    _takes_slots: tuple[bool, ...]
+    _columns: tuple[tuple[int, ...], ...]
+    _no_hits: tuple[tuple[()], ...]
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int, *, num_new_computed_tokens: int = 0,
+                          new_computed_blocks: KVCacheBlocks | None = None, num_lookahead_tokens: int = 0) -> int:
+        raise NotImplementedError  # CoordinatorQueries.num_blocks_needed
+
+    def pool_of(self, spec: KVCacheSpec) -> BlockPool:
+        """The pool a group of `spec` takes blocks from: ``state_block_pool`` for Mamba specs."""
+        return self.state_block_pool if isinstance(spec, MambaSpec) else self.block_pool
+
+    def _count_pools(self, rid: str, num_tokens: int, policy_hits: Sequence[Sequence[Sequence[KVCacheBlock]]],
+                     num_computed: int, num_lookahead_tokens: int) -> tuple[int, int]:
+        """(pages, slots) the step takes, free hit blocks included (the decoupled count)."""
+        need = [0, 0]
+        for p, ph, slot in zip(self.policies, policy_hits, self._takes_slots):
+            need[slot] += p.count_columns(rid, num_tokens, ph, num_computed, num_lookahead_tokens)
+        return need[0], need[1]
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash; False (nothing changed) while any block is in use. To reset
+        with requests running, call ``preempt_all()`` first."""
+        pools = self.pools
+        if any(p.get_num_free_blocks() != p.num_blocks - 1 - p.num_reserved_blocks for p in pools):
+            return False  # all or nothing: check every pool before dropping any hash
+        return all([bool(p.reset_prefix_cache()) for p in pools])
+
+    @property
+    def pools(self) -> tuple[BlockPool, ...]:
+        """Every pool: ``(block_pool,)`` unified; ``(block_pool, state_block_pool)`` (pages,
+        state slots) decoupled."""
+        if self.state_block_pool is self.block_pool:
+            return (self.block_pool,)
+        return (self.block_pool, self.state_block_pool)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Drain the KV events of every pool: ``block_pool.take_events()``, then (decoupled)
+        ``state_block_pool.take_events()`` (each pool's events in order; empty unless events
+        are enabled)."""
+        if self.state_block_pool is self.block_pool:
+            return self.block_pool.take_events()
+        return self.block_pool.take_events() + self.state_block_pool.take_events()
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the cache memory in tables: ``block_pool.usage`` unified; decoupled, the
+        arena's bytes in held pages and slots over its budget (``arena.usage``)."""
+        return self.block_pool.usage if self.arena is None else self.arena.usage
+
+    def can_allocate(self, request: Request, num_new_tokens: int, *, num_new_computed_tokens: int = 0,
+                     new_computed_blocks: KVCacheBlocks | None = None, num_lookahead_tokens: int = 0) -> bool:
+        """Whether ``allocate`` with these arguments would find room now (its own count; free hit
+        blocks included), in either layout. Read-only; pins and checks nothing.
+
+        Raises:
+            InvalidTokenCountError: a negative or non-int count.
+        """
+        if self.arena is None:
+            need = self.num_blocks_needed(request, num_new_tokens, num_new_computed_tokens=num_new_computed_tokens,
+                                          new_computed_blocks=new_computed_blocks,
+                                          num_lookahead_tokens=num_lookahead_tokens)
+            return need <= self.block_pool.get_num_free_blocks()
+        num_new_tokens = as_count(num_new_tokens, "num_new_tokens")
+        num_computed = request.num_computed_tokens + as_count(num_new_computed_tokens, "num_new_computed_tokens")
+        num_tokens = num_computed + num_new_tokens
+        lookahead = max(0, min(as_count(num_lookahead_tokens, "num_lookahead_tokens"), self.max_model_len - num_tokens))
+        hits = new_computed_blocks.blocks if new_computed_blocks is not None else self._no_hits
+        policy_hits = [[hits[g] for g in cols] for cols in self._columns]
+        pages, slots = self._count_pools(request.request_id, num_tokens, policy_hits, num_computed, lookahead)
+        return self.arena.can_supply(pages, slots, (b for h in hits for b in h))
