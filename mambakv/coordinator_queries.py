@@ -104,8 +104,9 @@ class CoordinatorQueries(CoordinatorPools):
     def num_blocks_needed(self, request: Request, num_new_tokens: int, *, num_new_computed_tokens: int = 0,
                           new_computed_blocks: KVCacheBlocks | None = None, num_lookahead_tokens: int = 0) -> int:
         """Free blocks ``allocate`` would consume for this step, hit blocks still in the free
-        queue included (nano-vllm's ``can_allocate``): compare with
-        ``block_pool.get_num_free_blocks()``. Read-only; pins and checks nothing.
+        queue included (nano-vllm's ``can_allocate``), summed over every group: in the unified
+        layout compare with ``block_pool.get_num_free_blocks()``; in the decoupled one it adds
+        pages and state slots of two pools, so ask ``can_allocate`` instead. Read-only.
 
         Raises:
             InvalidTokenCountError: a negative or non-int count.

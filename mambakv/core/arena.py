@@ -130,9 +130,10 @@ class SuperblockArena:
         self.kind = [FREE] * g.num_superblocks
         self.kind[0] = PAGES
         self.pages.lent[0] = True
-        for sb in range(1, g.num_superblocks):
-            self.pages.withdraw(sb)
-            self.slots.withdraw(sb)
+        for sb in range(1, g.num_superblocks):  # both pools start with every block queued: withdraw
+            for pool in (self.pages, self.slots):
+                pool.lent[sb] = True
+                pool.withdraw(sb)
         #: FREE superblocks, lowest id first (a stack: pop() takes the highest; ids carry no meaning)
         self._free = list(range(g.num_superblocks - 1, 0, -1))
         self.num_conversions = 0

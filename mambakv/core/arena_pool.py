@@ -23,6 +23,7 @@ from collections.abc import Container, Iterable
 
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
+from mambakv.core.errors import BlockNotFreeError
 
 __all__ = ["ArenaClock", "ArenaPool"]
 
@@ -113,13 +114,25 @@ class ArenaPool(BlockPool):
                 stamp[b.block_id] = now
 
     # ------------------------------------------------------------------ the arena's moves
+    @property
+    def usage(self) -> float:
+        """Fraction of the lent non-null blocks in use (withdrawn blocks are not this pool's)."""
+        lent = self.num_blocks - 1 - self.num_reserved_blocks
+        return 1.0 - self.free_block_queue.num_free_blocks / lent if lent else 0.0
+
     def withdraw(self, sb: int) -> None:
-        """Take every block of superblock `sb` out of circulation (all must be free): cached
-        ones lose their hash (BlockRemoved when events are on)."""
+        """Take every block of superblock `sb` out of circulation: cached ones lose their hash
+        (BlockRemoved when events are on).
+
+        Raises:
+            BlockNotFreeError: a block of it is in a table or `sb` is not lent here; nothing changed.
+        """
+        if not self.superblock_is_free(sb):
+            raise BlockNotFreeError(f"superblock {sb} is not lent to this pool with every block free")
         q, evict = self.free_block_queue, self.prefix_map.remove
         blocks = self.superblock_blocks(sb)
         for b in blocks:
-            q.remove(b)  # BlockNotFreeError if a table holds it: the arena checks first
+            q.remove(b)
             if b.block_hash is not None:
                 evict(b)
             b.ref_cnt = 1

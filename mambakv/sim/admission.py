@@ -37,6 +37,15 @@ __all__ = ["Admission"]
 _now = time.perf_counter
 
 
+def pool_capacity(coord: KVCacheCoordinator) -> str:
+    """The pool's size for messages: ``"641 blocks"`` unified, ``"4,550 superblocks (40,958 page
+    ids)"`` decoupled."""
+    if coord.arena is None:
+        return f"{coord.block_pool.num_blocks - 1} blocks"
+    g = coord.arena.geometry
+    return f"{g.num_superblocks - 1:,} superblocks ({g.num_pages - 1:,} page ids)"
+
+
 class Admission:
     """Admission and the timed ``allocate``; needs the attributes declared below and
     ``next_chunk`` (set and defined by :class:`~mambakv.sim.scheduler.Scheduler`)."""
@@ -101,7 +110,7 @@ class Admission:
                 if not self.running:
                     raise BudgetTooSmallError(
                         f"budget too small for one request: {req.request_id!r} ({req.num_tokens} tokens) "
-                        f"does not fit in {coord.block_pool.num_blocks - 1} blocks")
+                        f"does not fit in {pool_capacity(coord)}")
                 break
             self.waiting.popleft()
             self.running.append(sreq)

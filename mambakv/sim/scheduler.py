@@ -36,7 +36,7 @@ from mambakv.core.errors import MambaKVError
 from mambakv.core.request import Request
 from mambakv.core.spec import MambaSpec
 from mambakv.placement import placement_from_names
-from mambakv.sim.admission import Admission
+from mambakv.sim.admission import Admission, pool_capacity
 from mambakv.sim.chunking import prefill_chunk
 from mambakv.sim.metrics import SimMetrics
 from mambakv.sim.results import BudgetTooSmallError, ResultProcessor, ScheduledEntry, SimRequest
@@ -191,7 +191,7 @@ class Scheduler(ResultProcessor, Admission):
                         break  # its own unprocessed steps still hold states: wait for them
                     raise BudgetTooSmallError(
                         f"budget too small for one request: {req.request_id!r} needs more than the "
-                        f"{coord.block_pool.num_blocks - 1} blocks of the pool")
+                        f"{pool_capacity(coord)} of the pool")
                 self.preempt(victim)
                 preempted = True
                 if victim is sreq:
