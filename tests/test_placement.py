@@ -410,3 +410,15 @@ def test_trace_junction_hit(tmp_path, layout, rules, cached):
     # steps (budget 8192): A 2; B 3 with the junction, 2 without; C: 2 from its hit (544 -> 1632
     # -> 2048 / 1024 -> 1984 -> 2048) or 2 from 0 (T, then the end)
     assert res.metrics.steps == (7 if "junction" in rules else 6)
+
+
+@pytest.mark.xfail(strict=True, raises=InvalidSpecError,
+                   reason="Scheduler(stop_before_last_token=False) rebuilds the placement from its rule "
+                          "names (mambakv/sim/scheduler.py): an engine rule object has no name to rebuild from")
+def test_scheduler_old_stop_rule_keeps_an_engine_rule():
+    from mambakv.sim import Scheduler
+
+    rule = Every64()
+    coord = hybrid(checkpoint_placement=CheckpointPlacement([ReplayBoundary(), rule]))
+    Scheduler(coord, stop_before_last_token=False)
+    assert rule in coord.checkpoint_placement.rules
