@@ -170,6 +170,7 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
         #: states in align mode, else 0 (no rule applies: a chunk is what the budget allows)
         self.chunk_alignment = self.alignment_tokens if enable_caching and any(
             m.mode is MambaCacheMode.ALIGN for m in self.mamba_managers) else 0
+        checkpoint_placement.check_alignment(self.chunk_alignment)
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, request: Request, num_new_tokens: int, *, num_new_computed_tokens: int = 0,

@@ -7,7 +7,7 @@ from mambakv.coordinator_pools import CoordinatorPools
 from mambakv.core.arena import SuperblockArena
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
-from mambakv.core.errors import InvalidRequestError, as_count
+from mambakv.core.errors import InvalidRequestError, InvalidTokenCountError, as_count
 from mambakv.core.request import Request
 from mambakv.groups import MambaManager, SingleTypeKVCacheManager, StatePlan
 from mambakv.hits import PrefixCacheStats, PrefixHitFinder
@@ -76,11 +76,14 @@ class CoordinatorQueries(CoordinatorPools):
         Read-only on the pool (the junction rule looks up the shared prefix at admission).
 
         Raises:
-            InvalidTokenCountError: a negative or non-int count.
+            InvalidTokenCountError: a negative or non-int count, or more computed tokens than the request has.
         """
         budget = as_count(budget, "budget")
         computed = request.num_computed_tokens if num_computed_tokens is None else as_count(
             num_computed_tokens, "num_computed_tokens")
+        if computed > request.num_tokens:
+            raise InvalidTokenCountError(f"request {request.request_id!r}: {computed} computed tokens > its "
+                                         f"{request.num_tokens} tokens")
         return self.checkpoint_placement.chunk_end(self, request, computed, budget, self.chunk_alignment)
 
     def holds_blocks(self, request_id: str) -> bool:

@@ -183,6 +183,22 @@ class CheckpointPlacement:
         for rule in self.rules:
             rule.forget(request_id)
 
+    def set_stop_rule(self, *, stop_before_last_token: bool) -> None:
+        """Switch every replay boundary (``ReplayBoundary``, ``ChunkEnds``' own) between vLLM
+        0.33's ``(N - 1) // A * A`` (True) and older vLLM's ``N - N % A``; other rules, and what
+        they keep per request, stay as they are."""
+        for rule in self.rules:
+            if isinstance(rule, ReplayBoundary):
+                rule.stop_before_last_token = stop_before_last_token
+            elif isinstance(rule, ChunkEnds):
+                rule.boundary.stop_before_last_token = stop_before_last_token
+
+    def check_alignment(self, align: int) -> None:
+        """Raise InvalidSpecError if a ``ChunkGrid`` is not a multiple of `align` (0: none applies)."""
+        for rule in self.rules:
+            if isinstance(rule, ChunkGrid) and align and rule.every % align:
+                raise InvalidSpecError(f"chunk_grid({rule.every}) is not a multiple of the alignment {align}")
+
     def junction(self, request_id: str) -> int:
         """The request's junction if a ``Junction`` rule is composed (0 otherwise)."""
         for rule in self.rules:

@@ -412,13 +412,26 @@ def test_trace_junction_hit(tmp_path, layout, rules, cached):
     assert res.metrics.steps == (7 if "junction" in rules else 6)
 
 
-@pytest.mark.xfail(strict=True, raises=InvalidSpecError,
-                   reason="Scheduler(stop_before_last_token=False) rebuilds the placement from its rule "
-                          "names (mambakv/sim/scheduler.py): an engine rule object has no name to rebuild from")
 def test_scheduler_old_stop_rule_keeps_an_engine_rule():
+    # Scheduler(stop_before_last_token=False) switches the replay boundaries in place: the
+    # engine's own rule object stays, and so does the placement object (with its junctions).
     from mambakv.sim import Scheduler
 
-    rule = Every64()
-    coord = hybrid(checkpoint_placement=CheckpointPlacement([ReplayBoundary(), rule]))
+    rule, boundary = Every64(), ReplayBoundary()
+    placement = CheckpointPlacement([boundary, rule])
+    coord = hybrid(checkpoint_placement=placement)
     Scheduler(coord, stop_before_last_token=False)
-    assert rule in coord.checkpoint_placement.rules
+    assert coord.checkpoint_placement is placement and rule in placement.rules
+    assert boundary.stop_before_last_token is False and boundary.stop(96, 16) == 96  # N - N % A, not 80
+
+
+def test_next_chunk_end_refuses_more_computed_than_tokens():
+    coord = hybrid()
+    req = Request("r", list(range(100)))
+    with pytest.raises(InvalidTokenCountError):
+        coord.next_chunk_end(req, 10, num_computed_tokens=150)
+
+
+def test_chunk_grid_checked_when_the_coordinator_is_built():
+    with pytest.raises(InvalidSpecError, match="not a multiple"):
+        hybrid(checkpoint_placement=["chunk_grid:24"])

@@ -35,7 +35,6 @@ from mambakv.coordinator import KVCacheCoordinator
 from mambakv.core.errors import MambaKVError
 from mambakv.core.request import Request
 from mambakv.core.spec import MambaSpec
-from mambakv.placement import placement_from_names
 from mambakv.sim.admission import Admission, pool_capacity
 from mambakv.sim.chunking import prefill_chunk
 from mambakv.sim.metrics import SimMetrics
@@ -107,8 +106,7 @@ class Scheduler(ResultProcessor, Admission):
         # on multiples of its hit alignment when a Mamba group caches states in align mode.
         self.align = coord.chunk_alignment
         if not stop_before_last_token:  # older vLLM's stop rule: the same rules, T = N - N % A
-            coord.checkpoint_placement = placement_from_names(coord.checkpoint_placement.names,
-                                                              stop_before_last_token=False)
+            coord.checkpoint_placement.set_stop_rule(stop_before_last_token=False)
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.in_flight: deque[list[ScheduledEntry]] = deque()
