@@ -2,7 +2,9 @@
 
 Specs are frozen dataclasses validated at construction (an invalid one raises
 :class:`~mambakv.core.errors.InvalidSpecError`).  This module does not import torch: dtypes are
-kept as names (``"bfloat16"``); a ``torch.dtype`` is accepted and turned into its name.
+kept as names (``"bfloat16"``); a ``torch.dtype`` is accepted and turned into its name. The dtype
+table lives in :mod:`mambakv.core.dtypes`, the Mamba mode enums in :mod:`mambakv.core.modes`
+(both re-exported here).
 
 Page size (bytes per block per layer), the unit of DESIGN.md section 7's memory layout:
 
@@ -18,89 +20,18 @@ Mamba              ``sum(prod(shape) x itemsize)`` over the layer's states, or t
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from mambakv.core.arena import SuperblockGeometry
+from mambakv.core.dtypes import DTYPE_SIZES as DTYPE_SIZES  # re-exported: spec.py was their home
+from mambakv.core.dtypes import dtype_name as dtype_name
+from mambakv.core.dtypes import dtype_size as dtype_size
 from mambakv.core.errors import InvalidSpecError
-
-#: Bytes per element of every dtype name a spec accepts.
-DTYPE_SIZES: dict[str, int] = {
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-}
-
-
-def dtype_name(dtype: Any) -> str:
-    """Normalise a dtype (a name or a ``torch.dtype``) to its name; raise on unknown ones."""
-    name = str(dtype)
-    if name.startswith("torch."):
-        name = name[len("torch.") :]
-    if name not in DTYPE_SIZES:
-        raise InvalidSpecError(f"unknown dtype {dtype!r}; known: {sorted(DTYPE_SIZES)}")
-    return name
-
-
-def dtype_size(dtype: Any) -> int:
-    """Bytes per element of `dtype` (a name or a ``torch.dtype``)."""
-    return DTYPE_SIZES[dtype_name(dtype)]
-
-
-#: the removed 0.x ALIGN_LAZY mode's names (read as align + decode_checkpoints "latest")
-LAZY_MODE_NAMES = ("align_lazy", "lazy")
-
-
-class MambaCacheMode(str, enum.Enum):
-    """How a Mamba group keeps states.
-
-    * ``NONE``: no prefix caching; a request holds ``1 + num_speculative_blocks`` blocks.
-    * ``ALIGN``: states checkpointed at block boundaries (DESIGN.md 5.1); a running request
-      holds at most ``2 + num_speculative_blocks`` (+ one per step in flight).
-    Strings ``"none"`` / ``"align"`` are accepted wherever a mode is taken. The 0.x mode
-    ``"align_lazy"`` (or ``"lazy"``) was removed in issue 16: ``MambaSpec`` reads it as
-    ``mode="align", decode_checkpoints="latest"``; elsewhere it means ``ALIGN``.
-    """
-
-    NONE = "none"
-    ALIGN = "align"
-
-    @classmethod
-    def _missing_(cls, value: object) -> MambaCacheMode | None:
-        if isinstance(value, str):
-            name = value.lower()
-            if name in LAZY_MODE_NAMES:
-                return cls.ALIGN
-            for member in cls:
-                if member.value == name:
-                    return member
-        return None
-
-
-class DecodeCheckpoints(str, enum.Enum):
-    """Which decode-boundary states an ``ALIGN`` Mamba group publishes (issue 16).
-
-    * ``EVERY``: eager align: a new block per boundary, each settled boundary state published.
-    * ``LATEST``: the running state advances in place; near a boundary a spare block (only if
-      free without eviction) receives the boundary state, published once the crossing settled.
-    * ``NONE``: the running state advances in place; no decode-boundary state is published.
-
-    Prefill is the same in all three (``mambakv/groups/mamba_decode.py``).
-    """
-
-    NONE = "none"
-    EVERY = "every"
-    LATEST = "latest"
+from mambakv.core.modes import LAZY_MODE_NAMES as LAZY_MODE_NAMES
+from mambakv.core.modes import DecodeCheckpoints as DecodeCheckpoints
+from mambakv.core.modes import MambaCacheMode as MambaCacheMode
 
 
 def _check_positive(name: str, value: int) -> None:

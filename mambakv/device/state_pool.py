@@ -24,21 +24,22 @@ are checked once, on the host, before either backend writes anything.
 
 Row 0 is the null block: it is never written (``copy_`` refuses it as a destination, ``zero_``
 refuses it) and exported to kernels as ``-1`` (:func:`~mambakv.device.export.export_block_table`).
-The byte-row views and dtype/device helpers are in :mod:`mambakv.device.views`.
+The byte-row views and dtype/device helpers are in :mod:`mambakv.device.views`; the layout and
+plan checks in :mod:`mambakv.device.state_checks`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from numbers import Integral
 from typing import Any
 
 import torch
 
-from mambakv.core.errors import InvalidCopyPlanError, InvalidSpecError
+from mambakv.core.errors import InvalidSpecError
 from mambakv.core.spec import MambaSpec
 from mambakv.device.backend import CopyBackend, resolve_backend
 from mambakv.device.export import export_block_table, export_block_tables
+from mambakv.device.state_checks import check_copy_plan, check_state_layout, check_zero_plan
 from mambakv.device.views import carve_state_views as carve_state_views  # re-exported (explicit)
 from mambakv.device.views import checked_device as checked_device
 from mambakv.device.views import default_device as default_device
@@ -150,21 +151,7 @@ class MambaStatePool:
         return states
 
     def _check_layout(self) -> None:
-        spec = self.kv_cache_spec
-        if len(self._states) != self.num_layers:
-            raise InvalidSpecError(f"{len(self._states)} layers of views, expected {self.num_layers}")
-        for layer, states in enumerate(self._states):
-            if len(states) != len(spec.shapes):
-                raise InvalidSpecError(f"layer {layer}: {len(states)} states, expected "
-                                       f"{len(spec.shapes)}")
-            for i, (t, shape, name) in enumerate(zip(states, spec.shapes, spec.dtypes)):
-                if tuple(t.shape) != (self.num_blocks, *shape) or t.dtype != torch_dtype(name):
-                    raise InvalidSpecError(
-                        f"layer {layer} state {i}: {tuple(t.shape)} {t.dtype}, expected "
-                        f"{(self.num_blocks, *shape)} {name}")
-                if t.device.type != self.device.type:
-                    raise InvalidSpecError(f"layer {layer} state {i} on {t.device}, pool on "
-                                           f"{self.device}")
+        check_state_layout(self._states, self.kv_cache_spec, self.num_layers, self.num_blocks, self.device)
 
     # ----------------------------------------------------------------- views for kernels
     @property
@@ -212,13 +199,6 @@ class MambaStatePool:
     def _index(self, ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
 
-    def _check_ids(self, ids: Sequence[int], what: str) -> None:
-        if not all(isinstance(b, Integral) and not isinstance(b, bool) for b in ids):
-            raise InvalidCopyPlanError(f"{what}: block ids must be ints, got {list(ids)!r}")
-        if ids and (min(ids) < 0 or max(ids) >= self.num_blocks):
-            raise InvalidCopyPlanError(f"{what}: block id out of range [0, {self.num_blocks}): "
-                                       f"{sorted(ids)}")
-
     def copy_(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy the state of block ``src`` into block ``dst`` for every pair, in every layer.
 
@@ -237,20 +217,7 @@ class MambaStatePool:
         """
         if not pairs:
             return
-        try:
-            src, dst = (list(x) for x in zip(*pairs, strict=True))
-        except (TypeError, ValueError):
-            raise InvalidCopyPlanError(f"pairs must be (src, dst) tuples, got {pairs!r}") from None
-        if len(src) != len(pairs):
-            raise InvalidCopyPlanError(f"pairs must be (src, dst) tuples, got {pairs!r}")
-        self._check_ids(src + dst, "copy_")
-        dst_set = set(dst)
-        if 0 in dst_set:
-            raise InvalidCopyPlanError(f"copy_ would write the null block 0: {list(pairs)}")
-        if len(dst_set) != len(dst):
-            raise InvalidCopyPlanError(f"copy_ writes a block twice: {list(pairs)}")
-        if any(s != d and s in dst_set for s, d in zip(src, dst)):
-            raise InvalidCopyPlanError(f"copy_ reads a block another pair writes: {list(pairs)}")
+        src, dst = check_copy_plan(pairs, self.num_blocks)
         if self._fused is not None:  # the plan is valid: all pairs may run concurrently
             moved = [(s, d) for s, d in zip(src, dst) if s != d]
             self._fused.copy_rows([s for s, _ in moved], [d for _, d in moved])
@@ -280,9 +247,7 @@ class MambaStatePool:
         ids = list(block_ids)
         if not ids:
             return
-        self._check_ids(ids, "zero_")
-        if 0 in ids:
-            raise InvalidCopyPlanError("zero_ would write the null block 0")
+        check_zero_plan(ids, self.num_blocks)
         if self._fused is not None:
             self._fused.zero_rows(sorted(set(ids)))
             return

@@ -38,34 +38,12 @@ from typing import TYPE_CHECKING
 from mambakv.core.errors import InvalidSpecError
 from mambakv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from mambakv.core.spec import FullAttentionSpec, MambaSpec
+from mambakv.events.announce_forest import ForestNode
 
 if TYPE_CHECKING:
     from mambakv.coordinator import KVCacheCoordinator
 
 __all__ = ["RouterAnnouncer"]
-
-
-class _Node:
-    """One key of the announce forest. `attn`/`states`: groups caching it; `ok`: the whole
-    chain root..self is cached by every attention group (then `depth` is exact); `need`:
-    1 if it is a valid checkpoint, plus its children with ``need > 0`` (announced iff > 0)."""
-
-    __slots__ = ("key", "parent", "children", "tokens", "lora_id", "lora_name", "attn", "states", "ok",
-                 "depth", "valid", "need")
-
-    def __init__(self, key: bytes) -> None:
-        self.key = key
-        self.parent: _Node | None = None
-        self.children: dict[bytes, _Node] = {}
-        self.tokens: list[int] | None = None  # None: not yet told by an attention group
-        self.lora_id: int | None = None
-        self.lora_name: str | None = None
-        self.attn = 0
-        self.states = 0
-        self.ok = False
-        self.depth = 0
-        self.valid = False
-        self.need = 0
 
 
 class RouterAnnouncer:
@@ -96,7 +74,7 @@ class RouterAnnouncer:
         self.alignment_tokens = alignment_tokens or block_size
         self._num_attn = len(self.attention_groups)
         self._num_states = len(self.state_groups)
-        self._nodes: dict[bytes, _Node] = {}
+        self._nodes: dict[bytes, ForestNode] = {}
         self._out: list[KVCacheEvent] = []
 
     @classmethod
@@ -170,10 +148,10 @@ class RouterAnnouncer:
         return sum(1 for n in self._nodes.values() if n.need > 0)
 
     # ------------------------------------------------------------------ the forest
-    def _node(self, key: bytes) -> _Node:
+    def _node(self, key: bytes) -> ForestNode:
         node = self._nodes.get(key)
         if node is None:
-            node = self._nodes[key] = _Node(key)
+            node = self._nodes[key] = ForestNode(key)
         return node
 
     def _attention_stored(self, ev: BlockStored) -> None:
@@ -195,7 +173,7 @@ class RouterAnnouncer:
                 self._mark_ok(node)  # a root (tokens known, no parent) or below an ok parent
             parent = node
 
-    def _mark_ok(self, top: _Node) -> None:
+    def _mark_ok(self, top: ForestNode) -> None:
         """`top`'s chain became fully cached: it and every fully cached descendant reachable
         through fully cached nodes become ok; checkpoints among them are activated (parents
         first, so each announcement extends an announced chain)."""
@@ -214,11 +192,11 @@ class RouterAnnouncer:
             self._update_valid(n)
             stack.extend(n.children.values())
 
-    def _attention_removed(self, node: _Node) -> None:
+    def _attention_removed(self, node: ForestNode) -> None:
         node.attn -= 1
         if node.ok:
             # Deepest first: every ok descendant loses its chain.
-            order: list[_Node] = []
+            order: list[ForestNode] = []
             stack = [node]
             while stack:
                 n = stack.pop()
@@ -231,13 +209,13 @@ class RouterAnnouncer:
                 self._update_valid(n)
         self._maybe_drop(node)
 
-    def _state_changed(self, node: _Node, delta: int) -> None:
+    def _state_changed(self, node: ForestNode, delta: int) -> None:
         node.states += delta
         self._update_valid(node)
         if delta < 0:
             self._maybe_drop(node)
 
-    def _update_valid(self, n: _Node) -> None:
+    def _update_valid(self, n: ForestNode) -> None:
         valid = (n.ok and n.states >= self._num_states
                  and (n.depth * self.block_size) % self.alignment_tokens == 0)
         if valid == n.valid:
@@ -248,7 +226,7 @@ class RouterAnnouncer:
         else:
             self._deactivate(n)
 
-    def _activate(self, n: _Node) -> None:
+    def _activate(self, n: ForestNode) -> None:
         """Add one to `n`'s need; announce the chain of nodes that become needed."""
         chain = []
         while n is not None:
@@ -262,7 +240,7 @@ class RouterAnnouncer:
             top = chain[0]
             self._out.append(self._stored(chain, None if top.parent is None else top.parent.key))
 
-    def _deactivate(self, n: _Node) -> None:
+    def _deactivate(self, n: ForestNode) -> None:
         """Subtract one from `n`'s need; withdraw the nodes no longer needed, deepest first."""
         gone = []
         while n is not None:
@@ -274,7 +252,7 @@ class RouterAnnouncer:
         if gone:
             self._out.append(BlockRemoved(gone, group_id=self.group_id))
 
-    def _stored(self, chain: list[_Node], parent: bytes | None) -> BlockStored:
+    def _stored(self, chain: list[ForestNode], parent: bytes | None) -> BlockStored:
         tokens: list[int] = []
         for n in chain:
             tokens.extend(n.tokens)  # type: ignore[arg-type]
@@ -282,7 +260,7 @@ class RouterAnnouncer:
         return BlockStored([n.key for n in chain], parent, tokens, self.block_size, last.lora_id,
                            group_id=self.group_id, lora_name=last.lora_name)
 
-    def _maybe_drop(self, node: _Node | None) -> None:
+    def _maybe_drop(self, node: ForestNode | None) -> None:
         """Forget nodes that nothing caches and nothing hangs below (walking up)."""
         while node is not None and node.attn == 0 and node.states == 0 and not node.children:
             assert node.need == 0

@@ -15,8 +15,7 @@ Every step flows one way through a manager (the coordinator drives it)::
     on processed: cache_blocks, remove_skipped_blocks     publish, then retire
     free                                                  the table goes back to the pool
 
-``next_event(table)`` is the smallest processed-token count at which ``cache_blocks`` or
-``remove_skipped_blocks`` would change anything: below it ``retire`` is O(1).
+The release half (on processed, free) is :class:`~mambakv.groups.release.ReleaseMixin`.
 """
 
 from __future__ import annotations
@@ -27,11 +26,12 @@ from typing import ClassVar
 
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
-from mambakv.core.errors import DoubleFreeError, InvalidRequestError, InvalidTokenCountError
+from mambakv.core.errors import InvalidRequestError
 from mambakv.core.events import stored_event_fields
 from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheSpec
 from mambakv.groups.kinds import GroupKind
+from mambakv.groups.release import ReleaseMixin
 from mambakv.groups.tables import (  # re-exported: base.py is the 0.1 home of these names
     NEVER,
     BlockHashView,
@@ -49,7 +49,7 @@ __all__ = ["NEVER", "BlockHashView", "BlockTable", "RequestBlocks", "SingleTypeK
            "_num_evictable", "cdiv", "group_block_hashes", "num_evictable"]
 
 
-class SingleTypeKVCacheManager(ABC):
+class SingleTypeKVCacheManager(ReleaseMixin, ABC):
     """Block tables of one KV-cache group.
 
     Args:
@@ -223,94 +223,6 @@ class SingleTypeKVCacheManager(ABC):
                   if pool.enable_kv_cache_events else {})
         pool.cache_full_blocks(t.blocks[start:num_full], keys[start:num_full], self.kv_cache_group_id, **fields)
         t.num_cached_blocks = num_full
-
-    # ------------------------------------------------------------------ on processed
-    def next_event(self, table: BlockTable) -> int:
-        """Smallest processed-token count at which ``cache_blocks`` + ``remove_skipped_blocks``
-        would change `table` (publish or retire); ``NEVER`` when nothing ever will. Below it,
-        the coordinator's ``retire`` skips this group."""
-        if not self.retires:
-            return NEVER
-        # (n - kept) // bs > watermark  <=>  n >= (watermark + 1) * bs + kept
-        return (table.retired_below + 1) * self.block_size + self.num_kept_tokens
-
-    def remove_skipped_blocks(self, request_id: str, num_processed_tokens: int) -> None:
-        """Retire: replace blocks ``[0, skipped // block_size)`` with the null block and free
-        them (deepest first). Idempotent; a request holding no blocks is a no-op.
-
-        Raises (nothing changed):
-            InvalidTokenCountError: `num_processed_tokens` is negative.
-            DoubleFreeError: a retired block is already free (from ``BlockPool.free_blocks``).
-        """
-        if num_processed_tokens < 0:
-            raise InvalidTokenCountError(f"num_processed_tokens must be >= 0, got {num_processed_tokens}")
-        t = self._tables.get(request_id)
-        if t is None or not self.retires:
-            return
-        num_slots = self.num_dead_slots(t, num_processed_tokens)
-        if num_slots > t.retired_below:
-            self.retire_slots(t, num_slots)
-
-    def dead_slots(self, table: BlockTable, num_processed_tokens: int) -> int:
-        """Slots that die once `num_processed_tokens` are processed (0 when the group never
-        retires), raising what ``remove_skipped_blocks`` would raise; changes nothing. The
-        coordinator checks every group this way before any publishes or retires."""
-        return self.num_dead_slots(table, num_processed_tokens) if self.retires else 0
-
-    def settle(self, table: BlockTable, num_processed_tokens: int) -> None:
-        """Forget what `num_processed_tokens` settled (after ``retire_slots``); nothing here."""
-        return None
-
-    def num_dead_slots(self, table: BlockTable, num_processed_tokens: int) -> int:
-        """Leading table slots no longer needed once `num_processed_tokens` are processed:
-        ``max(0, n - num_kept_tokens) // block_size`` (a negative result retires nothing)."""
-        return (num_processed_tokens - self.num_kept_tokens) // self.block_size
-
-    def retire_slots(self, table: BlockTable, num_slots: int) -> None:
-        """Retire slots ``[watermark, num_slots)``: free their real blocks deepest first,
-        skipping null gaps, then null the slots and move the watermark up. All or nothing (the
-        free is checked before it changes anything); amortised O(new blocks), no slot is
-        scanned twice::
-
-            before  [old, null, committed, in_flight]   watermark 0, num_slots 3
-            frees   [committed, old]
-            after   [null, null, null, in_flight]       watermark 3
-
-        The documented override point of retirement: the fuzzer's teeth plant vLLM's pre-fix
-        walk (stop at the first null, no watermark) here."""
-        blocks, null = table.blocks, self.null_block
-        stop = min(num_slots, len(blocks))
-        low = table.retired_below
-        if stop <= low:
-            return
-        freed = [blocks[i] for i in range(stop - 1, low - 1, -1) if blocks[i] is not null]
-        if freed:
-            self.block_pool.free_blocks(freed)
-        for i in range(low, stop):
-            blocks[i] = null
-        table.retired_below = stop
-
-    # ------------------------------------------------------------------ free
-    def free(self, request_id: str) -> None:
-        """Drop the request: free its table tail-first (deepest blocks reach the eviction end
-        of the LRU first) and every piece of its bookkeeping. Unknown ids are a no-op.
-
-        Raises:
-            DoubleFreeError: a block of the table is already free; nothing changed.
-        """
-        t = self._tables.get(request_id)
-        if t is not None:
-            self.block_pool.free_blocks(reversed(t.blocks))
-            del self._tables[request_id]
-
-    def check_free(self, request_id: str) -> None:
-        """Raise DoubleFreeError (nothing changed) if ``free(request_id)`` would fail: lets the
-        coordinator free every group or none."""
-        t = self._tables.get(request_id)
-        if t is not None:
-            for b in t.blocks:
-                if b.ref_cnt <= 0 and not b.is_null:
-                    raise DoubleFreeError(f"block {b.block_id} of request {request_id!r} is already free")
 
     # ------------------------------------------------------------------ prefix hits
     @classmethod

@@ -21,8 +21,9 @@ The concerns live in one module each:
 ``mamba_columns.py``   one policy over several block columns (identical groups)
 ``drafts.py``          spec decode: verify steps, ``accept_drafts``, retirement rule
 ``mamba_queries.py``   snapshot, thresholds, state block ids, the hit rule, invariants
+``mamba_release.py``   ``free`` / ``check_free`` and slot retirement over every column
 this module            the manager: counting, allocation dispatch, publication,
-                       retirement, plans, queries
+                       the next retire event, the fused ``schedule_step``
 =====================  ===========================================================
 """
 
@@ -33,7 +34,7 @@ from typing import ClassVar
 
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
-from mambakv.core.errors import DoubleFreeError, InvalidDraftCountError, InvalidTokenCountError
+from mambakv.core.errors import InvalidDraftCountError, InvalidTokenCountError
 from mambakv.core.events import stored_event_fields
 from mambakv.core.request import Request
 from mambakv.core.spec import DecodeCheckpoints, MambaCacheMode, MambaSpec
@@ -42,6 +43,7 @@ from mambakv.groups.drafts import MambaTable
 from mambakv.groups.kinds import GroupKind
 from mambakv.groups.mamba_columns import ColumnsMixin
 from mambakv.groups.mamba_queries import QueriesMixin
+from mambakv.groups.mamba_release import MambaReleaseMixin
 from mambakv.groups.mamba_steps import AlignStep, running_slot
 
 __all__ = ["AlignStep", "MambaManager", "MambaRequestBlocks", "MambaTable", "running_slot"]
@@ -50,7 +52,7 @@ __all__ = ["AlignStep", "MambaManager", "MambaRequestBlocks", "MambaTable", "run
 MambaRequestBlocks = MambaTable
 
 
-class MambaManager(ColumnsMixin, QueriesMixin):
+class MambaManager(MambaReleaseMixin, ColumnsMixin, QueriesMixin):
     """State blocks of one Mamba group (one block = one whole state of every layer).
 
     Mode NONE: a request holds ``1 + nspec`` blocks (running state + scratch) whatever its
@@ -244,55 +246,6 @@ class MambaManager(ColumnsMixin, QueriesMixin):
         t: MambaTable = table  # type: ignore[assignment]
         if t.decode_steps:
             self._settle_decode(t, num_processed_tokens)
-
-    def free(self, request_id: str) -> None:
-        """Drop the request in every column (tail first, see the base class), and its pending
-        entries of the copy and zero plans: a preempted request's copy must not run into a
-        block that is reused.
-
-        Raises:
-            DoubleFreeError: a block is already free; nothing changed."""
-        t = self._tables.get(request_id)
-        if t is None:
-            return
-        self._check_leader()
-        self.block_pool.free_blocks([b for col in t.columns for b in reversed(col)])  # raises before any change
-        self._freed_at = self._num_planned  # latest: a step of it may be in flight (see _decode_verify)
-        for col, m in zip(t.columns, self._column_managers):
-            del m._tables[request_id]
-            if m._writes:
-                m._writes = [w for w in m._writes if w[0] != request_id]
-            if m._copy_plan or m._zero_plan:
-                ids = {b.block_id for b in col if not b.is_null}
-                m._copy_plan = [p for p in m._copy_plan if p[1] not in ids]
-                m._zero_plan = [b for b in m._zero_plan if b not in ids]
-
-    def check_free(self, request_id: str) -> None:
-        """Raise DoubleFreeError (nothing changed) if ``free(request_id)`` would fail."""
-        t = self._tables.get(request_id)
-        if t is not None:
-            for col in t.columns:
-                for b in col:
-                    if b.ref_cnt <= 0 and not b.is_null:
-                        raise DoubleFreeError(f"block {b.block_id} of request {request_id!r} is already free")
-
-    def retire_slots(self, table: BlockTable, num_slots: int) -> None:
-        """Retire slots ``[watermark, num_slots)`` in every column (see the base class): one
-        free for all columns (deepest first, null gaps skipped), then the slots are nulled and
-        the watermark moves; all or nothing."""
-        t: MambaTable = table  # type: ignore[assignment]
-        stop = min(num_slots, len(t.blocks))
-        low = t.retired_below
-        if stop <= low:
-            return
-        null = self.null_block
-        freed = [b for col in t.columns for b in col[stop - 1 : low - 1 if low else None : -1] if b is not null]
-        if freed:
-            self.block_pool.free_blocks(freed)
-        nulls = [null] * (stop - low)
-        for col in t.columns:
-            col[low:stop] = nulls
-        t.retired_below = stop
 
     def schedule_step(self, request_id: str, num_tokens: int, num_processed_tokens: int, *,
                       num_draft_tokens: int = 0) -> list[KVCacheBlock] | None:

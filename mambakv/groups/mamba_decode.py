@@ -55,6 +55,9 @@ B = 640; test_pinned_blocks.py, where the settled counts at planning are listed)
     latest  3      4               4                 advances in place; C only between a
                                                      verify and its retire (then 5)
 
+The checkpoint blocks themselves (take C, publish it at retire, evict-first) are
+``mamba_checkpoints.py``.
+
 (Before: latest took a spare as soon as a step could reach B and held it until the crossing
 settled. nspec 0: 2 at 1 step sync / 2 steps lag 1, but one step before every's; nspec 3: 5
 at 4 steps sync / 8 steps lag 1.)
@@ -65,10 +68,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mambakv.core.block import KVCacheBlock
-from mambakv.core.events import stored_event_fields
-from mambakv.core.request import Request
-from mambakv.groups.base import group_block_hashes
 from mambakv.groups.drafts import DecodeStep, MambaTable
+from mambakv.groups.mamba_checkpoints import CheckpointBlocksMixin
 from mambakv.groups.mamba_steps import AlignStep, AlignStepsMixin
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ if TYPE_CHECKING:
 __all__ = ["DecodeCheckpointsMixin"]
 
 
-class DecodeCheckpointsMixin(AlignStepsMixin):
+class DecodeCheckpointsMixin(AlignStepsMixin, CheckpointBlocksMixin):
     """The ``latest`` / ``none`` decode half of MambaManager (see the module docstring)."""
 
     _column_managers: tuple[MambaManager, ...]
@@ -86,8 +87,6 @@ class DecodeCheckpointsMixin(AlignStepsMixin):
     _decode_in_place: bool
     #: ``latest`` with caching: crossed decode boundaries are copied out and published
     _spares: bool
-    #: take checkpoint blocks even by evicting a cached block (benchmark knob; default never)
-    spare_may_evict: bool
     #: ``(request id, block id, position)`` the planned forwards write, since the last take
     _writes: list[tuple[str, int, int]]
     #: list every write of a planned step in ``_writes`` (a subclass may turn it off)
@@ -166,39 +165,6 @@ class DecodeCheckpointsMixin(AlignStepsMixin):
         blocks): ``latest`` takes no block when a step is planned; a crossed boundary's state is
         copied out at its verify (``_decode_verify``), so a forward writes only the running and
         scratch blocks."""
-
-    def _take_checkpoint_blocks(self, t: MambaTable, *, fresh: bool) -> list[KVCacheBlock] | None:
-        """One block per column, all or none: if `fresh`, a block free without eviction (any
-        free block with ``spare_may_evict``); else, or when none is free, the request's own
-        previous decode checkpoint if it is free and still cached under its key (the state
-        about to be published supersedes it on the same chain; ``_publish_spare`` would make
-        it evict-first). Nobody else's cached state is evicted.
-
-        A recycled block is safe whatever was freed meanwhile: a cached block is written by
-        no step (a hit only reads it, and holds it while it may: ref count > 0), and an
-        unchanged hash proves it was not evicted and reused since."""
-        pool = self.block_pool
-        got = list[KVCacheBlock]()
-        if fresh:
-            for _ in t.columns:
-                if self.spare_may_evict:
-                    block = pool.get_new_blocks(1)[0] if pool.get_num_free_blocks() else None
-                else:
-                    block = pool.get_new_unhashed_block()
-                if block is None:
-                    break
-                got.append(block)
-            if len(got) == len(t.columns):
-                return got
-            if got:
-                pool.free_blocks(got)
-        old = [blk for blk, key in t.ckpts if blk.block_hash == key and blk.ref_cnt == 0]
-        if not old or len(old) != len(t.columns):
-            return None
-        pool.evict_blocks([b.block_id for b in old])  # unhashed now (free, at the queue's head)
-        pool.touch(old)  # taken: ref count 1
-        t.ckpts = []
-        return old
 
     def take_checkpoint_writes(self) -> list[tuple[str, int, int]]:
         """``(request id, block id, position)`` for each block a planned forward writes, since
@@ -280,55 +246,6 @@ class DecodeCheckpointsMixin(AlignStepsMixin):
             self._resolve_step(t, steps.popleft(), 0)
         if not steps and num_processed_tokens > t.settled:
             t.settled = num_processed_tokens
-
-    def _publish_spare(self, request: Request, t: MambaTable, num_processed_tokens: int) -> None:
-        """A waiting checkpoint whose boundary is processed: hash it under the boundary's key
-        and free it (it lands at the LRU tail, cached)."""
-        b = t.spare_pos
-        if not b or b > num_processed_tokens:
-            return
-        bs = self.block_size
-        slot = b // bs - 1
-        keys = group_block_hashes(request, bs)
-        if slot >= len(keys):
-            return
-        pool = self.block_pool
-        fields = stored_event_fields(request, keys, slot, slot + 1, bs) if pool.enable_kv_cache_events else {}
-        spares: list[KVCacheBlock] = []
-        for col, m in zip(t.columns, self._column_managers):
-            spare = col.pop()
-            pool.cache_full_blocks([spare], [keys[slot]], m.kv_cache_group_id, **fields)
-            spares.append(spare)
-        pool.free_blocks(spares)
-        self._note_checkpoint(t, spares, keys[slot])
-        t.has_spare, t.spare_pos = False, 0
-
-    def _note_checkpoint(self, t: MambaTable, blocks: list[KVCacheBlock], key: bytes) -> None:
-        """`blocks` (one per column) were published under `key` in decode: the request's
-        previous decode checkpoint, if free, becomes evict-first (a deeper state on its chain
-        exists)."""
-        old = [blk for blk, k in t.ckpts if blk.block_hash == k and blk.ref_cnt == 0]
-        if old:
-            self._evict_first(old)
-        t.ckpts = [(blk, key) for blk in blocks]
-
-    def _evict_first(self, blocks: list[KVCacheBlock]) -> None:
-        """Move free cached `blocks` to the head of the cached part of the free queue (right
-        after the unhashed free blocks, which the pool keeps first): the next eviction takes
-        them, a hit may still revive them. O(unhashed free blocks): once per published decode
-        checkpoint.
-
-            queue  u1 u2 | h1 h2 OLD h3    ->    u1 u2 | OLD h1 h2 h3
-        """
-        q = self.block_pool.free_block_queue
-        head, tail = q.sentinels
-        for b in blocks:
-            q.remove(b)
-        node = head.next_free_block
-        while node is not tail and node is not None and node.block_hash is None:
-            node = node.next_free_block
-        assert node is not None and node.prev_free_block is not None
-        q._link_run(node.prev_free_block, blocks, node)  # the queue's own O(1) splice
 
     def decode_event(self, t: MambaTable) -> int:
         """The next processed count at which ``retire`` must reach this group: a waiting

@@ -3,14 +3,14 @@
 Each ``run_*`` function builds a :class:`KVCacheCoordinator` for a model (a packaged name such as
 ``"qwen3-next-80b-a3b"`` or a ``config.json`` path) over ``memory_gib`` GiB, drives it with
 :class:`~mambakv.sim.scheduler.Scheduler`, and returns a :class:`SimResult` whose ``to_dict()``
-is what ``mambakv ... --json`` prints.
+is what ``mambakv ... --json`` prints (:mod:`mambakv.sim.sim_result`, re-exported here).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +21,8 @@ from mambakv.models import build_kv_cache_config, load_model
 from mambakv.models.kv_config import DEFAULT_PAGE_TOKENS
 from mambakv.sim.causes import HitCauses
 from mambakv.sim.conversation import REPLAY_MODES, chain_hooks, prepare_replay
-from mambakv.sim.metrics import SimMetrics
 from mambakv.sim.scheduler import Scheduler, SimRequest
+from mambakv.sim.sim_result import SimResult
 from mambakv.sim.workloads import RequestSpec, conversations, load_trace, long_prefill
 
 __all__ = ["DEFAULT_MODEL", "GIB", "SimResult", "build_coordinator", "run_conversations", "run_replay",
@@ -109,96 +109,6 @@ def _layout_settings(coord: KVCacheCoordinator) -> dict[str, Any]:
     cfg = coord.kv_cache_config
     return {"layout": cfg.layout, "page_tokens": coord.managers[0].block_size if cfg.superblocks else None,
             "placement": list(coord.checkpoint_placement.names)}
-
-
-@dataclass
-class SimResult:
-    """A finished run: the coordinator (for inspection), the scheduler's metrics, the settings.
-
-    ``rejected``: requests refused before the run because they cannot fit ``max_model_len``
-    (see :func:`run_workload`); ``to_dict()["requests"]`` counts them, ``"finished"`` does not.
-    ``extra``: more results of the workload (a trace's ``hit_tokens_by_cause``), last in ``to_dict()``.
-    """
-
-    coord: KVCacheCoordinator
-    metrics: SimMetrics
-    settings: dict[str, Any] = field(default_factory=dict)
-    rejected: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def blocks_returned(self) -> bool:
-        """Every block is back in the free queue (cached ones included), except the lazy
-        scratch regions, which are reserved for good."""
-        return all(p.get_num_free_blocks() == p.num_blocks - 1 - p.num_reserved_blocks for p in self.coord.pools)
-
-    def _arena_dict(self) -> dict[str, Any]:
-        """Decoupled layout only: the budget's geometry and where its bytes went."""
-        arena, m = self.coord.arena, self.metrics
-        if arena is None:
-            return {}
-        g, b = arena.geometry, arena.bytes
-        return {"arena": {
-            "superblocks": g.num_superblocks, "pages_per_superblock": g.pages_per_superblock,
-            "page_bytes": g.page_bytes, "state_bytes": g.state_bytes, "superblock_bytes": g.superblock_bytes,
-            "conversions": arena.num_conversions,
-            "final_bytes": {"pages": b.pages, "states": b.states, "idle": b.idle, "free": b.free},
-            "peak_state_bytes": m.peak_state_bytes, "peak_idle_bytes": m.peak_idle_bytes,
-            "mean_state_bytes": _mean([x[3] for x in m.byte_series]),
-            "mean_idle_bytes": _mean([x[4] for x in m.byte_series]),
-            "state_evictions": self.coord.state_block_pool.num_evictions}}
-
-    def to_dict(self) -> dict[str, Any]:
-        m, coord = self.metrics, self.coord
-        pool = coord.block_pool
-        stats = coord.prefix_cache_stats
-        groups = [g.as_dict() for g in m.groups]
-        bytes_per_block = max(g["block_bytes"] for g in groups)
-        return {
-            **self.settings,
-            "num_blocks": pool.num_blocks,
-            "bytes_per_block": bytes_per_block,
-            "requests": m.requests + self.rejected,
-            "finished": m.finished,
-            "rejected": self.rejected,
-            "max_model_len": coord.max_model_len,
-            "prompt_tokens": m.prompt_tokens,
-            "cached_tokens": m.cached_tokens,
-            "hit_rate": round(m.hit_rate, 6),
-            "state_missing_tokens": m.state_missing_tokens,
-            "prefix_queries": stats.queries,
-            "prefix_hits": stats.hits,
-            "output_tokens": m.output_tokens,
-            "preemptions": m.preemptions,
-            "evictions": pool.num_evictions,
-            "peak_blocks": m.peak_blocks,
-            "peak_bytes": m.peak_blocks * bytes_per_block,
-            "peak_running": m.peak_running,
-            "peak_mamba_blocks_per_request": {
-                str(i): g["peak_mamba_blocks_per_request"] for i, g in enumerate(groups)
-                if g["peak_mamba_blocks_per_request"] is not None},
-            "groups": groups,
-            "steps": m.steps,
-            "scheduled_tokens": m.scheduled_tokens,
-            "state_copies": m.copies,
-            "sim_clock_ms": round(m.clock_ms, 3),
-            "wall_s": round(m.wall_s, 4),
-            "wall_ms": round(m.wall_s * 1e3, 3),
-            "library_s": round(m.library_s, 4),
-            "library_ms": round(m.library_s * 1e3, 3),
-            "library_us_per_step": round(m.library_s * 1e6 / m.steps, 2) if m.steps else 0.0,
-            "library_calls": m.library_calls,
-            "library_net_us_per_step": round(m.library_net_s * 1e6 / m.steps, 2) if m.steps else 0.0,
-            "step_us": round(m.step_net_s * 1e6 / m.steps, 2) if m.steps else 0.0,
-            "hash_ms": round(m.hash_s * 1e3, 3),
-            "blocks_returned": self.blocks_returned,
-            **self._arena_dict(),
-            **self.extra,
-        }
-
-
-def _mean(values: Sequence[int]) -> int:
-    return round(sum(values) / len(values)) if values else 0
 
 
 def run_workload(coord: KVCacheCoordinator, specs: Sequence[RequestSpec], *, one_at_a_time: bool = False,

@@ -1,0 +1,76 @@
+"""Release of a Mamba group's tables: ``free`` and ``check_free`` over every block column (and
+the pending copy / zero plans and checkpoint writes of a freed request), and ``retire_slots``
+(the base class's watermark retirement, one free for all columns)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mambakv.core.errors import DoubleFreeError
+from mambakv.groups.base import BlockTable
+from mambakv.groups.drafts import DraftsMixin, MambaTable
+
+if TYPE_CHECKING:
+    from mambakv.groups.mamba import MambaManager
+
+__all__ = ["MambaReleaseMixin"]
+
+
+class MambaReleaseMixin(DraftsMixin):
+    """The release half of :class:`~mambakv.groups.mamba.MambaManager`."""
+
+    _column_managers: tuple[MambaManager, ...]
+    _copy_plan: list[tuple[int, int]]
+    _zero_plan: list[int]
+    _writes: list[tuple[str, int, int]]
+    _num_planned: int
+    _freed_at: int
+
+    def free(self, request_id: str) -> None:
+        """Drop the request in every column (tail first, see the base class), and its pending
+        entries of the copy and zero plans: a preempted request's copy must not run into a
+        block that is reused.
+
+        Raises:
+            DoubleFreeError: a block is already free; nothing changed."""
+        t = self._tables.get(request_id)
+        if t is None:
+            return
+        self._check_leader()
+        self.block_pool.free_blocks([b for col in t.columns for b in reversed(col)])  # raises before any change
+        self._freed_at = self._num_planned  # latest: a step of it may be in flight (see _decode_verify)
+        for col, m in zip(t.columns, self._column_managers):
+            del m._tables[request_id]
+            if m._writes:
+                m._writes = [w for w in m._writes if w[0] != request_id]
+            if m._copy_plan or m._zero_plan:
+                ids = {b.block_id for b in col if not b.is_null}
+                m._copy_plan = [p for p in m._copy_plan if p[1] not in ids]
+                m._zero_plan = [b for b in m._zero_plan if b not in ids]
+
+    def check_free(self, request_id: str) -> None:
+        """Raise DoubleFreeError (nothing changed) if ``free(request_id)`` would fail."""
+        t = self._tables.get(request_id)
+        if t is not None:
+            for col in t.columns:
+                for b in col:
+                    if b.ref_cnt <= 0 and not b.is_null:
+                        raise DoubleFreeError(f"block {b.block_id} of request {request_id!r} is already free")
+
+    def retire_slots(self, table: BlockTable, num_slots: int) -> None:
+        """Retire slots ``[watermark, num_slots)`` in every column (see the base class): one
+        free for all columns (deepest first, null gaps skipped), then the slots are nulled and
+        the watermark moves; all or nothing."""
+        t: MambaTable = table  # type: ignore[assignment]
+        stop = min(num_slots, len(t.blocks))
+        low = t.retired_below
+        if stop <= low:
+            return
+        null = self.null_block
+        freed = [b for col in t.columns for b in col[stop - 1 : low - 1 if low else None : -1] if b is not null]
+        if freed:
+            self.block_pool.free_blocks(freed)
+        nulls = [null] * (stop - low)
+        for col in t.columns:
+            col[low:stop] = nulls
+        t.retired_below = stop
