@@ -149,8 +149,6 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
         #: hits must end on a multiple of every group's block size
         self.alignment_tokens = math.lcm(*sizes)
         self._hits = PrefixHitFinder(self.managers, self.alignment_tokens)
-        #: per policy, True when it takes state slots (counted against ``state_block_pool``)
-        self._takes_slots = tuple(m.block_pool is not self.block_pool for m in self.policies)
         #: request id -> its one RequestState (tables, thresholds), for requests that hold blocks
         self._live: dict[str, RequestState] = {}
         #: per group, blocks the tables gained since the last new_step / take_step_plan
@@ -259,6 +257,14 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
         else:
             policy_hits = [[hits[g] for g in cols] for cols in columns]
         room: tuple[int, int] | None = None  # decoupled: (pages, slots) the step pops
+        # A running step without hits or drafts skips the policies it leaves quiet (a decode
+        # step that crosses an attention page is no event for a Mamba group in decode).
+        active = live.active_policies(num_tokens, num_lookahead_tokens) if (
+            live is not None and hits is self._no_hits and not num_drafts) else None
+        if active is not None:
+            policies = tuple(p for p, a in zip(policies, active) if a)
+            columns = tuple(c for c, a in zip(columns, active) if a)
+            policy_hits = self._policy_no_hits[:len(policies)]
         # count
         if live is None or num_tokens + num_lookahead_tokens > live.num_covered:
             if self.arena is None:
@@ -268,7 +274,7 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
                 if need > self.block_pool.free_block_queue.num_free_blocks:
                     return None
             else:
-                need_pages, need_slots = self._count_pools(rid, num_tokens, policy_hits, num_computed,
+                need_pages, need_slots = self._count_pools(rid, num_tokens, policies, policy_hits, num_computed,
                                                            num_lookahead_tokens)
                 if not self.arena.can_supply(need_pages, need_slots, None if hits is self._no_hits else
                                              [b for h in hits for b in h]):
@@ -304,15 +310,17 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
                     new_blocks[gid] = blocks
                     self._new_blocks[gid].append(blocks)  # ids are read only if a plan is taken
         for mp in self._mamba_policies:  # optional spares last: they may only use blocks nobody counted on
-            mp.plan_checkpoint_write(rid)
+            if active is None or mp in policies:
+                mp.plan_checkpoint_write(rid)
         # publish: attention KV is written before it is read; never blocks with drafts or placeholders
         if self.enable_caching:
             num_real = min(num_tokens - num_drafts, request.num_tokens)
             for a in self._attention:
-                a.cache_blocks(request, num_real)
-        live.refresh(policies)
+                if active is None or a in policies:
+                    a.cache_blocks(request, num_real)
+        live.refresh(self.policies, active)
         quiet = 1 << 62  # this step may have tagged a state: the next retire event moves
-        for p, t in zip(policies, live.tables):
+        for p, t in zip(self.policies, live.tables):
             nxt = p.next_event(t)
             if nxt < quiet:
                 quiet = nxt

@@ -31,7 +31,6 @@ class CoordinatorPools:
     arena: SuperblockArena | None
     policies: tuple[SingleTypeKVCacheManager, ...]
     max_model_len: int
-    _takes_slots: tuple[bool, ...]
     _columns: tuple[tuple[int, ...], ...]
     _no_hits: tuple[tuple[()], ...]
 
@@ -43,13 +42,19 @@ class CoordinatorPools:
         """The pool a group of `spec` takes blocks from: ``state_block_pool`` for Mamba specs."""
         return self.state_block_pool if isinstance(spec, MambaSpec) else self.block_pool
 
-    def _count_pools(self, rid: str, num_tokens: int, policy_hits: Sequence[Sequence[Sequence[KVCacheBlock]]],
-                     num_computed: int, num_lookahead_tokens: int) -> tuple[int, int]:
-        """(pages, slots) the step takes, free hit blocks included (the decoupled count)."""
-        need = [0, 0]
-        for p, ph, slot in zip(self.policies, policy_hits, self._takes_slots):
-            need[slot] += p.count_columns(rid, num_tokens, ph, num_computed, num_lookahead_tokens)
-        return need[0], need[1]
+    def _count_pools(self, rid: str, num_tokens: int, policies: Sequence[SingleTypeKVCacheManager],
+                     policy_hits: Sequence[Sequence[Sequence[KVCacheBlock]]], num_computed: int,
+                     num_lookahead_tokens: int) -> tuple[int, int]:
+        """(pages, slots) the step takes from `policies`, free hit blocks included (the decoupled count)."""
+        pages = slots = 0
+        state_pool = self.state_block_pool
+        for p, ph in zip(policies, policy_hits):
+            n = p.count_columns(rid, num_tokens, ph, num_computed, num_lookahead_tokens)
+            if p.block_pool is state_pool:
+                slots += n
+            else:
+                pages += n
+        return pages, slots
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; False (nothing changed) while any block is in use. To reset
@@ -100,5 +105,6 @@ class CoordinatorPools:
         lookahead = max(0, min(as_count(num_lookahead_tokens, "num_lookahead_tokens"), self.max_model_len - num_tokens))
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else self._no_hits
         policy_hits = [[hits[g] for g in cols] for cols in self._columns]
-        pages, slots = self._count_pools(request.request_id, num_tokens, policy_hits, num_computed, lookahead)
+        pages, slots = self._count_pools(request.request_id, num_tokens, self.policies, policy_hits, num_computed,
+                                         lookahead)
         return self.arena.can_supply(pages, slots, (b for h in hits for b in h))

@@ -25,7 +25,7 @@ __all__ = ["RequestState", "check_computed", "describe"]
 class RequestState:
     """A request that holds blocks (see the module docstring)."""
 
-    __slots__ = ("request", "tables", "num_scheduled", "num_covered", "quiet_tokens", "retire_quiet")
+    __slots__ = ("request", "tables", "num_scheduled", "num_covered", "quiet_tokens", "retire_quiet", "thresholds")
 
     def __init__(self, request: Request, tables: tuple[BlockTable, ...], num_scheduled: int) -> None:
         self.request = request
@@ -34,17 +34,31 @@ class RequestState:
         self.num_covered = 0
         self.quiet_tokens = 0
         self.retire_quiet = 0
+        #: per policy, its own ``(covered, quiet)`` (the two thresholds above are their minima)
+        self.thresholds: list[tuple[int, int]] = [(0, 0)] * len(tables)
 
-    def refresh(self, managers: tuple[SingleTypeKVCacheManager, ...]) -> None:
-        """Recompute the allocation thresholds from the tables (after a slow step)."""
+    def refresh(self, managers: tuple[SingleTypeKVCacheManager, ...], active: list[bool] | None = None) -> None:
+        """Recompute the allocation thresholds from the tables (after a slow step); with
+        `active`, only those policies' (the others' tables did not change)."""
         covered = quiet = 1 << 62
-        for m, t in zip(managers, self.tables):
-            c, q = m.thresholds(t)
+        per = self.thresholds
+        for i, (m, t) in enumerate(zip(managers, self.tables)):
+            if active is None or active[i]:
+                per[i] = m.thresholds(t)
+            c, q = per[i]
             if c < covered:
                 covered = c
             if q < quiet:
                 quiet = q
         self.num_covered, self.quiet_tokens = covered, quiet
+
+    def active_policies(self, num_tokens: int, num_lookahead_tokens: int) -> list[bool] | None:
+        """For a running step without hits or drafts: per policy, whether it has anything to
+        do (False: the step is within its own quiet and covered thresholds, so it would only
+        count); None when every policy has."""
+        end = num_tokens + num_lookahead_tokens
+        active = [num_tokens > q or end > c for c, q in self.thresholds]
+        return None if all(active) else active
 
 
 def check_computed(request: Request, live: RequestState | None, num_new_computed_tokens: int,
