@@ -96,7 +96,7 @@ class QueriesMixin(DecodeCheckpointsMixin):
     def num_held_blocks(self, request_id: str) -> int:
         """Non-null blocks in the request's table."""
         t = self._tables.get(request_id)
-        return 0 if t is None else sum(1 for b in t.blocks if not b.is_null)
+        return 0 if t is None else sum(1 for b in t.blocks[t.retired_below:] if not b.is_null)  # null below
 
     @classmethod
     def _find_hit(cls, block_hashes: Sequence[bytes], max_length: int, kv_cache_group_ids: Sequence[int],

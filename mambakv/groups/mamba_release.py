@@ -37,7 +37,8 @@ class MambaReleaseMixin(DraftsMixin):
         if t is None:
             return
         self._check_leader()
-        self.block_pool.free_blocks([b for col in t.columns for b in reversed(col)])  # raises before any change
+        low = t.retired_below  # below the watermark every slot is null: a long prefill's table is mostly that
+        self.block_pool.free_blocks([b for col in t.columns for b in reversed(col[low:])])  # raises before any change
         self._freed_at = self._num_planned  # latest: a step of it may be in flight (see _decode_verify)
         for col, m in zip(t.columns, self._column_managers):
             del m._tables[request_id]
@@ -52,8 +53,9 @@ class MambaReleaseMixin(DraftsMixin):
         """Raise DoubleFreeError (nothing changed) if ``free(request_id)`` would fail."""
         t = self._tables.get(request_id)
         if t is not None:
+            low = t.retired_below
             for col in t.columns:
-                for b in col:
+                for b in col[low:]:
                     if b.ref_cnt <= 0 and not b.is_null:
                         raise DoubleFreeError(f"block {b.block_id} of request {request_id!r} is already free")
 
