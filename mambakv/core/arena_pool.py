@@ -19,7 +19,7 @@ queue from its LRU head (:meth:`find_free_superblocks`)::
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable
+from collections.abc import Container
 
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
@@ -103,15 +103,16 @@ class ArenaPool(BlockPool):
         return out
 
     # ------------------------------------------------------------------ BlockPool override
-    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
-        if type(blocks) is not list:
-            blocks = list(blocks)
+    def _requeue(self, unhashed: list[KVCacheBlock], hashed: list[KVCacheBlock]) -> None:
+        """Stamp the blocks a ``free_blocks`` call brought to ref count 0 with a new tick, then
+        queue them as the BlockPool does."""
         self.clock.now += 1
-        super().free_blocks(blocks)
         stamp, now = self.freed_at, self.clock.now
-        for b in blocks:
-            if not b.ref_cnt:
-                stamp[b.block_id] = now
+        for b in hashed:
+            stamp[b.block_id] = now
+        for b in unhashed:
+            stamp[b.block_id] = now
+        super()._requeue(unhashed, hashed)
 
     # ------------------------------------------------------------------ the arena's moves
     @property
@@ -129,12 +130,11 @@ class ArenaPool(BlockPool):
         """
         if not self.superblock_is_free(sb):
             raise BlockNotFreeError(f"superblock {sb} is not lent to this pool with every block free")
-        q, evict = self.free_block_queue, self.prefix_map.remove
+        q = self.free_block_queue
         blocks = self.superblock_blocks(sb)
+        self.prefix_map.remove_many(blocks)
         for b in blocks:
             q.remove(b)
-            if b.block_hash is not None:
-                evict(b)
             b.ref_cnt = 1
         self.num_reserved_blocks += len(blocks)
         self.lent[sb] = False

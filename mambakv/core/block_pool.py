@@ -118,10 +118,8 @@ class BlockPool:
             block.ref_cnt = 1
             return [block]
         blocks = self.free_block_queue.popleft_n(num_blocks)
-        evict = self.prefix_map.remove
+        self.prefix_map.remove_many(blocks)
         for block in blocks:
-            if block.block_hash is not None:
-                evict(block)
             block.ref_cnt = 1
         return blocks
 
@@ -210,8 +208,12 @@ class BlockPool:
                     to_head(block)
                 else:
                     to_tail(block)
-        # Ref counts were >= 1 and the blocks distinct, so none is queued: skip the queue's
-        # own per-block check (it costs about 10% of a bulk free).
+        self._requeue(unhashed, hashed)
+
+    def _requeue(self, unhashed: list[KVCacheBlock], hashed: list[KVCacheBlock]) -> None:
+        """Queue the blocks ``free_blocks`` brought to ref count 0 (a subclass may note them).
+        None is queued (ref counts were >= 1, blocks distinct): skip the queue's per-block check,
+        about 10% of a bulk free."""
         if unhashed:
             self.free_block_queue.prepend_n(unhashed, checked=False)
         if hashed:

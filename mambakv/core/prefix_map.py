@@ -125,6 +125,31 @@ class PrefixMap:
             self._events.append(BlockRemoved([block_hash], group_id=gid))  # type: ignore[list-item]
         return last
 
+    def remove_many(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """``remove`` every hashed block of `blocks` (unhashed ones are skipped): one call for a
+        bulk pop or a withdrawn superblock, the same map updates and events."""
+        maps, events = self.maps, self._events
+        n = 0
+        for block in blocks:
+            block_hash = block.block_hash
+            if block_hash is None:
+                continue
+            gid = block.cache_group_id
+            m = maps[gid]
+            entry = m[block_hash]
+            n += 1
+            block.block_hash = None
+            block.cache_group_id = -1
+            if isinstance(entry, dict):
+                del entry[block.block_id]
+                if len(entry) == 1:
+                    m[block_hash] = next(iter(entry.values()))
+            else:
+                del m[block_hash]
+                if events is not None:
+                    events.append(BlockRemoved([block_hash], group_id=gid))
+        self.num_evictions += n
+
     def clear(self) -> None:
         """Empty every group's map (the same dict object stays) and record AllBlocksCleared.
         The caller clears the blocks' own hashes."""
