@@ -34,3 +34,25 @@ def test_trace_3000_one_at_a_time(benchmark):
     assert d["num_blocks"] == 4818
     benchmark.extra_info.update(hit_rate=d["hit_rate"], steps=d["steps"], library_s=d["library_s"],
                                 library_us_per_step=d["library_us_per_step"], py_ref_ms=py_ref_ms())
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="trace absent: ../shared/traces/conversation_trace.jsonl")
+@pytest.mark.parametrize("layout", ["unified", "decoupled"])
+def test_trace_3000_conversation_by_layout(benchmark, layout):
+    """Issue 14's figure: the same 3000 requests under conversation replay in each layout
+    (decoupled: 64-token pages and state slots on one 60 GiB budget, 4,551 superblocks). Targets:
+    decoupled hit rate >= 0.080; its ``library_s`` within 1.5x of unified's (compare the two
+    rows' extra_info)."""
+    results = []
+
+    def run():
+        results.append(run_trace(TRACE, limit=NUM_REQUESTS, memory_gib=60.0, one_at_a_time=True,
+                                 replay="conversation", layout=layout))
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    d = results[-1].to_dict()
+    assert d["blocks_returned"] and d["finished"] == NUM_REQUESTS
+    if layout == "decoupled":
+        assert d["hit_rate"] >= 0.080 and d["arena"]["superblocks"] == 4551
+    benchmark.extra_info.update(hit_rate=d["hit_rate"], library_s=d["library_s"], steps=d["steps"],
+                                library_us_per_step=d["library_us_per_step"], py_ref_ms=py_ref_ms())
