@@ -175,6 +175,22 @@ class CoordinatorQueries(CoordinatorPools):
                 out[m.kv_cache_group_id] = plan
         return out
 
+    def get_state_slot_ids(self, request_id: str) -> dict[int, tuple[int, ...]]:
+        """Per Mamba group, the state rows the request's next forward uses, for a kernel's state
+        indices: ``(running, scratch_1, ..., scratch_nspec)``. The forward reads the running row
+        (after the step's pre-forward copies) and writes it and the scratch rows. ``-1`` where
+        there is none: every entry of a group that holds no state for the request yet. Rows are
+        state slot ids in the decoupled layout (``DecoupledLayout.mamba_states``), block ids in
+        the unified one."""
+        out = {}
+        for m in self.mamba_managers:
+            plan = m.get_state_plan(request_id)
+            if plan is None:
+                out[m.kv_cache_group_id] = (-1,) * (1 + m.num_speculative_blocks)
+            else:
+                out[m.kv_cache_group_id] = (plan.working_block_id, *plan.scratch_block_ids)
+        return out
+
     # ------------------------------------------------------------------ queries
     def new_step(self) -> None:
         """Mark a scheduling step (statistics; hits never depend on it). The new block ids and

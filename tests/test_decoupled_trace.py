@@ -30,3 +30,24 @@ def test_decoupled_beats_unified_on_the_first_300(replay):
     assert b["pages"] + b["states"] + b["idle"] + b["free"] == a["superblocks"] * a["superblock_bytes"]
     assert b["idle"] == (b["states"] // a["state_bytes"]) * (a["superblock_bytes"] - a["state_bytes"])
     runs["decoupled"].coord.check_invariants()
+
+
+def test_state_slot_ids_are_slots_of_the_state_pool():
+    # Decoupled, 2 drafts: a 100-token prompt on 64-token pages; before it runs every entry is
+    # -1; after allocate, (running, scratch, scratch) are three distinct slot ids of the slot
+    # pool, in the request's table, per Mamba group.
+    from mambakv import KVCacheCoordinator, Request
+    from mambakv.models import build_kv_cache_config
+
+    cfg = build_kv_cache_config("qwen3-next-80b-a3b", 2 << 30, layout="decoupled", num_speculative_blocks=2)
+    kv = KVCacheCoordinator(cfg, max_model_len=4096)
+    req = Request("r", list(range(100)))
+    assert set(kv.get_state_slot_ids("r").values()) == {(-1, -1, -1)}
+    kv.allocate(req, 100, num_draft_tokens=0)
+    ids = kv.get_state_slot_ids("r")
+    assert sorted(ids) == [1, 2, 3]
+    tables = kv.get_block_ids("r")
+    for gid, rows in ids.items():
+        assert len(set(rows)) == 3 and all(0 < r < cfg.superblocks.num_superblocks for r in rows)
+        assert all(r in tables[gid] for r in rows)
+        assert all(kv.state_block_pool.blocks[r].ref_cnt == 1 for r in rows)
