@@ -68,7 +68,7 @@ class CoordinatorResults:
             if nxt < quiet:
                 quiet = nxt
         live.retire_quiet = quiet
-        live.refresh(policies)  # publishing or retiring moves the allocation thresholds
+        live.refresh(policies)  # publishing or retiring moves the allocation thresholds: recount now
 
     def accept_drafts(self, request_id: str, num_accepted: int) -> dict[int, list[tuple[int, int]]]:
         """After a verify step: per Mamba group, the copies (accepted scratch -> running

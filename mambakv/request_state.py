@@ -25,7 +25,8 @@ __all__ = ["RequestState", "check_computed", "describe"]
 class RequestState:
     """A request that holds blocks (see the module docstring)."""
 
-    __slots__ = ("request", "tables", "num_scheduled", "num_covered", "quiet_tokens", "retire_quiet", "thresholds")
+    __slots__ = ("request", "tables", "num_scheduled", "num_covered", "quiet_tokens", "retire_quiet", "thresholds",
+                 "quiet_max")
 
     def __init__(self, request: Request, tables: tuple[BlockTable, ...], num_scheduled: int) -> None:
         self.request = request
@@ -36,27 +37,37 @@ class RequestState:
         self.retire_quiet = 0
         #: per policy, its own ``(covered, quiet)`` (the two thresholds above are their minima)
         self.thresholds: list[tuple[int, int]] = [(0, 0)] * len(tables)
+        #: the largest ``min(covered, quiet)`` of any policy: a step beyond it leaves none quiet
+        self.quiet_max = 0
 
     def refresh(self, managers: tuple[SingleTypeKVCacheManager, ...], active: list[bool] | None = None) -> None:
         """Recompute the allocation thresholds from the tables (after a slow step); with
         `active`, only those policies' (the others' tables did not change)."""
-        covered = quiet = 1 << 62
         per = self.thresholds
-        for i, (m, t) in enumerate(zip(managers, self.tables)):
-            if active is None or active[i]:
-                per[i] = m.thresholds(t)
-            c, q = per[i]
+        if active is None:
+            per[:] = [m.thresholds(t) for m, t in zip(managers, self.tables)]
+        else:
+            for i, (m, t) in enumerate(zip(managers, self.tables)):
+                if active[i]:
+                    per[i] = m.thresholds(t)
+        covered = quiet = 1 << 62
+        most = 0
+        for c, q in per:
             if c < covered:
                 covered = c
             if q < quiet:
                 quiet = q
-        self.num_covered, self.quiet_tokens = covered, quiet
+            if q > most and c > most:
+                most = min(c, q)
+        self.num_covered, self.quiet_tokens, self.quiet_max = covered, quiet, most
 
     def active_policies(self, num_tokens: int, num_lookahead_tokens: int) -> list[bool] | None:
         """For a running step without hits or drafts: per policy, whether it has anything to
         do (False: the step is within its own quiet and covered thresholds, so it would only
         count); None when every policy has."""
         end = num_tokens + num_lookahead_tokens
+        if end > self.quiet_max:
+            return None
         active = [num_tokens > q or end > c for c, q in self.thresholds]
         return None if all(active) else active
 
