@@ -33,14 +33,17 @@ import torch
 
 from mambakv.core.errors import InvalidSpecError
 from mambakv.core.spec import DTYPE_SIZES, AttentionSpec, KVCacheConfig, MambaSpec
+from mambakv.device.layout_views import LayoutViews
 from mambakv.device.state_pool import CopyBackend, MambaStatePool
 from mambakv.device.views import carve_state_views, default_device, torch_dtype
 
 __all__ = ["DecoupledLayout"]
 
 
-class DecoupledLayout:
-    """The raw tensors of a decoupled config and every layer's view into them.
+class DecoupledLayout(LayoutViews):
+    """The raw tensors of a decoupled config and every layer's view into them (rows: page ids
+    ``[num_pages, 2, page_tokens, heads, head_size]`` for attention layers, slot ids
+    ``[num_superblocks, *shape]`` with a superblock's stride for Mamba layers).
 
     Args:
         kv_cache_config: a config with ``superblocks`` (``build_kv_cache_config(...,
@@ -57,6 +60,8 @@ class DecoupledLayout:
             does not fit ``state_bytes // group_size``, or a dtype the bytes cannot be
             reinterpreted to at its offset.
     """
+
+    _null_row_aliased = True  # slot 0's row is superblock 0, which holds pages
 
     def __init__(self, kv_cache_config: KVCacheConfig, device: Any = None, *,
                  copy_backend: CopyBackend | str = CopyBackend.TORCH) -> None:
@@ -121,32 +126,8 @@ class DecoupledLayout:
         """Bytes of all raw tensors (``geometry.total_bytes``)."""
         return self.group_size * self.num_slots * self.superblock_bytes_per_layer
 
-    def layer_slot(self, layer_name: str) -> tuple[int, int]:
-        """``(group id, index of the layer in its group = index of its raw tensor)``."""
-        try:
-            return self._slot[layer_name]
-        except KeyError:
-            raise InvalidSpecError(f"unknown layer {layer_name!r}") from None
-
     def _spec(self, layer_name: str) -> Any:
         return self.config.kv_cache_groups[self.layer_slot(layer_name)[0]].kv_cache_spec
-
-    def kv_cache(self, layer_name: str) -> torch.Tensor:
-        """KV view of an attention layer: ``[num_pages, 2, page_tokens, num_kv_heads, head_size]``."""
-        self.layer_slot(layer_name)  # raises on an unknown name
-        view = self._views[layer_name]
-        if not isinstance(view, torch.Tensor):
-            raise InvalidSpecError(f"{layer_name!r} is a Mamba layer; use mamba_states")
-        return view
-
-    def mamba_states(self, layer_name: str) -> tuple[torch.Tensor, ...]:
-        """State views of a Mamba layer: ``[num_superblocks, *shape]`` per state (conv, SSM);
-        row = slot id, row stride ``superblock_bytes_per_layer`` bytes."""
-        self.layer_slot(layer_name)
-        view = self._views[layer_name]
-        if isinstance(view, torch.Tensor):
-            raise InvalidSpecError(f"{layer_name!r} is an attention layer; use kv_cache")
-        return view
 
     def byte_range(self, layer_name: str, block_id: int) -> tuple[int, int, int]:
         """``(raw tensor index, byte offset, byte length)`` of page id `block_id` (attention
@@ -165,26 +146,6 @@ class DecoupledLayout:
     def superblock_of(self, layer_name: str, block_id: int) -> int:
         """The superblock page id / slot id `block_id` of `layer_name` lies in."""
         return self.byte_range(layer_name, block_id)[1] // self.superblock_bytes_per_layer
-
-    def state_pool(self, group_id: int) -> MambaStatePool:
-        """The :class:`MambaStatePool` of Mamba group `group_id` over the slot views (built once;
-        ``num_blocks = num_superblocks``; copies move the states' bytes of a slot row, never the
-        idle tail nor another superblock)."""
-        if group_id not in self._pools:
-            groups = self.config.kv_cache_groups
-            if not 0 <= group_id < len(groups):
-                raise InvalidSpecError(f"no group {group_id}; config has {len(groups)}")
-            spec = groups[group_id].kv_cache_spec
-            if not isinstance(spec, MambaSpec):
-                raise InvalidSpecError(f"group {group_id} is not a Mamba group")
-            n = len(groups[group_id].layer_names)
-            self._pools[group_id] = MambaStatePool.from_raw(spec, self.raw[:n], copy_backend=self.copy_backend,
-                                                            null_row_aliased=True)
-        return self._pools[group_id]
-
-    def mamba_group_ids(self) -> list[int]:
-        """Ids of the Mamba groups, in config order."""
-        return [gid for gid, g in enumerate(self.config.kv_cache_groups) if isinstance(g.kv_cache_spec, MambaSpec)]
 
     def check_invariants(self) -> None:
         """Assert the null page (page 0: bytes ``[0, P)`` of every raw tensor) is all zero."""

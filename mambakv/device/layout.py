@@ -29,6 +29,7 @@ import torch
 
 from mambakv.core.errors import InvalidSpecError
 from mambakv.core.spec import DTYPE_SIZES, AttentionSpec, KVCacheConfig, MambaSpec
+from mambakv.device.layout_views import LayoutViews
 from mambakv.device.state_pool import CopyBackend, MambaStatePool
 from mambakv.device.views import carve_state_views, default_device, torch_dtype
 
@@ -55,7 +56,7 @@ def check_uniform_page_size(config: KVCacheConfig) -> tuple[int, int]:
     return max(len(g.layer_names) for g in config.kv_cache_groups), pages.pop()
 
 
-class HybridLayout:
+class HybridLayout(LayoutViews):
     """The raw tensors of a hybrid config and every layer's view into them.
 
     Args:
@@ -112,51 +113,6 @@ class HybridLayout:
     def total_bytes(self) -> int:
         """Bytes of all raw tensors: ``num_blocks x bytes_per_block``."""
         return self.num_blocks * self.bytes_per_block
-
-    def layer_slot(self, layer_name: str) -> tuple[int, int]:
-        """``(group id, index of the layer in its group = index of its raw tensor)``."""
-        try:
-            return self._slot[layer_name]
-        except KeyError:
-            raise InvalidSpecError(f"unknown layer {layer_name!r}") from None
-
-    def kv_cache(self, layer_name: str) -> torch.Tensor:
-        """KV view of an attention layer: ``[num_blocks, 2, block_size, num_kv_heads,
-        head_size]`` in the spec dtype; ``[:, 0]`` is K, ``[:, 1]`` is V."""
-        self.layer_slot(layer_name)  # raises on an unknown name
-        view = self._views[layer_name]
-        if not isinstance(view, torch.Tensor):
-            raise InvalidSpecError(f"{layer_name!r} is a Mamba layer; use mamba_states")
-        return view
-
-    def mamba_states(self, layer_name: str) -> tuple[torch.Tensor, ...]:
-        """State views of a Mamba layer: ``[num_blocks, *shape]`` per state (conv, SSM)."""
-        self.layer_slot(layer_name)  # raises on an unknown name
-        view = self._views[layer_name]
-        if isinstance(view, torch.Tensor):
-            raise InvalidSpecError(f"{layer_name!r} is an attention layer; use kv_cache")
-        return view
-
-    def state_pool(self, group_id: int) -> MambaStatePool:
-        """The :class:`MambaStatePool` of Mamba group ``group_id`` over this layout's memory
-        (built once, with the layout's ``copy_backend``; its copies move whole byte rows of the
-        group's raw tensors and never touch rows or padding bytes of other groups)."""
-        if group_id not in self._pools:
-            groups = self.config.kv_cache_groups
-            if not 0 <= group_id < len(groups):
-                raise InvalidSpecError(f"no group {group_id}; config has {len(groups)}")
-            spec = groups[group_id].kv_cache_spec
-            if not isinstance(spec, MambaSpec):
-                raise InvalidSpecError(f"group {group_id} is not a Mamba group")
-            n = len(groups[group_id].layer_names)
-            self._pools[group_id] = MambaStatePool.from_raw(spec, self.raw[:n],
-                                                            copy_backend=self.copy_backend)
-        return self._pools[group_id]
-
-    def mamba_group_ids(self) -> list[int]:
-        """Ids of the Mamba groups, in config order."""
-        return [gid for gid, g in enumerate(self.config.kv_cache_groups)
-                if isinstance(g.kv_cache_spec, MambaSpec)]
 
     def __repr__(self) -> str:
         return (f"HybridLayout(groups={len(self.config.kv_cache_groups)}, "

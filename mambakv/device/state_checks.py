@@ -9,10 +9,22 @@ from numbers import Integral
 import torch
 
 from mambakv.core.errors import InvalidCopyPlanError, InvalidSpecError
-from mambakv.core.spec import MambaSpec
+from mambakv.core.spec import KVCacheConfig, MambaSpec
 from mambakv.device.views import torch_dtype
 
-__all__ = ["check_block_ids", "check_copy_plan", "check_state_layout", "check_zero_plan"]
+__all__ = ["check_block_ids", "check_copy_plan", "check_state_layout", "check_zero_plan", "mamba_group"]
+
+
+def mamba_group(config: KVCacheConfig, group_id: int) -> tuple[MambaSpec, int]:
+    """``(spec, number of layers)`` of Mamba group `group_id` of `config` (a layout's
+    ``state_pool``). Raises InvalidSpecError for another id or a group of another kind."""
+    groups = config.kv_cache_groups
+    if not 0 <= group_id < len(groups):
+        raise InvalidSpecError(f"no group {group_id}; config has {len(groups)}")
+    spec = groups[group_id].kv_cache_spec
+    if not isinstance(spec, MambaSpec):
+        raise InvalidSpecError(f"group {group_id} is not a Mamba group")
+    return spec, len(groups[group_id].layer_names)
 
 
 def check_state_layout(states: Sequence[Sequence[torch.Tensor]], spec: MambaSpec, num_layers: int,
