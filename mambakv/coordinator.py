@@ -36,33 +36,13 @@ from mambakv.core.errors import (
 )
 from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheConfig, MambaCacheMode
-from mambakv.groups import MambaManager, SingleTypeKVCacheManager, make_manager
+from mambakv.groups import MambaManager, SingleTypeKVCacheManager, make_manager, share_identical_policies
 from mambakv.hits import PrefixCacheStats, PrefixHitFinder
-from mambakv.placement import CheckpointPlacement, placement_from_names
+from mambakv.placement import DEFAULT_PLACEMENT, CheckpointPlacement, placement_from_names
 from mambakv.plans import KVCacheBlocks
 from mambakv.request_state import RequestState, check_computed
 
 __all__ = ["DEFAULT_PLACEMENT", "KVCacheCoordinator", "share_identical_policies"]
-
-#: checkpoint placement per layout (rule names, mambakv.placement): unified = vLLM 0.33's rules;
-#: decoupled = chosen on the real trace (docs/replay.md)
-DEFAULT_PLACEMENT = {"unified": ("chunk_ends", "replay_boundary", "junction"),
-                     "decoupled": ("chunk_ends", "replay_boundary", "junction")}
-
-
-def share_identical_policies(managers: Sequence[SingleTypeKVCacheManager]) -> tuple[SingleTypeKVCacheManager, ...]:
-    """Let Mamba groups with an identical spec share one policy (the first one's): their
-    tables evolve in lockstep, so per-request work is done once for every block column (a
-    Qwen3-Next step does it once, not three times). Returns the managers that run a policy,
-    config order. Attention groups keep one policy each."""
-    leaders: dict[object, list[MambaManager]] = {}
-    for m in managers:
-        if type(m) is MambaManager:
-            leaders.setdefault(m.kv_cache_spec, []).append(m)
-    for same in leaders.values():
-        if len(same) > 1:
-            same[0].share_policy(same[1:])
-    return tuple(m for m in managers if not m.is_follower)
 
 
 class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPools):
@@ -274,12 +254,10 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
                 if need > self.block_pool.free_block_queue.num_free_blocks:
                     return None
             else:
-                need_pages, need_slots = self._count_pools(rid, num_tokens, policies, policy_hits, num_computed,
-                                                           num_lookahead_tokens)
-                if not self.arena.can_supply(need_pages, need_slots, None if hits is self._no_hits else
-                                             [b for h in hits for b in h]):
+                room = self._room_needed(rid, num_tokens, policies, policy_hits, hits, num_computed,
+                                         num_lookahead_tokens)
+                if room is None:
                     return None
-                room = (need_pages, need_slots)
         # commit
         if live is None:
             live = self._live[rid] = RequestState(request, tuple(p.table(rid) for p in policies), num_tokens)

@@ -56,6 +56,18 @@ class CoordinatorPools:
                 pages += n
         return pages, slots
 
+    def _room_needed(self, rid: str, num_tokens: int, policies: Sequence[SingleTypeKVCacheManager],
+                     policy_hits: Sequence[Sequence[Sequence[KVCacheBlock]]],
+                     hits: Sequence[Sequence[KVCacheBlock]], num_computed: int,
+                     num_lookahead_tokens: int) -> tuple[int, int] | None:
+        """Decoupled: ``(pages, slots)`` the step takes, or None when the arena cannot supply
+        them (free hit blocks, which the step touches, counted)."""
+        pages, slots = self._count_pools(rid, num_tokens, policies, policy_hits, num_computed, num_lookahead_tokens)
+        assert self.arena is not None
+        if not self.arena.can_supply(pages, slots, None if hits is self._no_hits else [b for h in hits for b in h]):
+            return None
+        return pages, slots
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; False (nothing changed) while any block is in use. To reset
         with requests running, call ``preempt_all()`` first."""

@@ -39,7 +39,7 @@ from typing import Protocol
 from mambakv.core.errors import InvalidSpecError
 from mambakv.core.request import Request
 
-__all__ = ["VLLM_PLACEMENT", "CheckpointPlacement", "ChunkEnds", "ChunkGrid", "Junction", "PlacementRule",
+__all__ = ["DEFAULT_PLACEMENT", "VLLM_PLACEMENT", "CheckpointPlacement", "ChunkEnds", "ChunkGrid", "Junction", "PlacementRule",
            "PrefixQueries", "ReplayBoundary", "placement_from_names"]
 
 
@@ -212,6 +212,11 @@ class CheckpointPlacement:
 
 #: vLLM 0.33's rules (the unified layout's default)
 VLLM_PLACEMENT = ("chunk_ends", "replay_boundary", "junction")
+
+#: checkpoint placement per layout (``KVCacheCoordinator``'s default): unified = vLLM 0.33's rules;
+#: decoupled = the same, chosen on the real trace (docs/replay.md: without the junction the hit
+#: rate halves; with an 8192-token budget ``chunk_ends`` changes nothing, ``chunk_grid`` +0.0001)
+DEFAULT_PLACEMENT = {"unified": VLLM_PLACEMENT, "decoupled": VLLM_PLACEMENT}
 
 
 def placement_from_names(names: Sequence[str], *, stop_before_last_token: bool = True) -> CheckpointPlacement:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from mambakv.core.block_pool import BlockPool
 from mambakv.core.spec import KVCacheSpec
 from mambakv.groups.attention import FullAttentionManager, SlidingWindowManager
@@ -45,5 +47,21 @@ __all__ = [
     "AlignStep", "BlockHashView", "BlockTable", "FullAttentionManager", "GroupKind",
     "MambaManager", "MambaRequestBlocks", "MambaTable", "RequestBlocks", "SingleTypeKVCacheManager",
     "SlidingWindowManager", "StatePlan", "cdiv", "group_block_hashes", "make_manager", "manager_class_for",
-    "running_slot",
+    "running_slot", "share_identical_policies",
 ]
+
+
+
+def share_identical_policies(managers: Sequence[SingleTypeKVCacheManager]) -> tuple[SingleTypeKVCacheManager, ...]:
+    """Let Mamba groups with an identical spec share one policy (the first one's): their
+    tables evolve in lockstep, so per-request work is done once for every block column (a
+    Qwen3-Next step does it once, not three times). Returns the managers that run a policy,
+    config order. Attention groups keep one policy each."""
+    leaders: dict[object, list[MambaManager]] = {}
+    for m in managers:
+        if type(m) is MambaManager:
+            leaders.setdefault(m.kv_cache_spec, []).append(m)
+    for same in leaders.values():
+        if len(same) > 1:
+            same[0].share_policy(same[1:])
+    return tuple(m for m in managers if not m.is_follower)
