@@ -62,7 +62,7 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
             cached block for a spare (a benchmark knob; the default never does).
         checkpoint_placement: where ``next_chunk_end`` ends prefill chunks (so where Mamba
             states are published): a :class:`~mambakv.placement.CheckpointPlacement` or rule
-            names (``placement_from_names``); None: the layout's default
+            names (``placement_from_names``; a str is split at commas); None: the layout's default
             (``DEFAULT_PLACEMENT``: vLLM 0.33's rules unified, measured ones decoupled).
 
     Raises:
@@ -140,7 +140,12 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
         self.num_steps = 0
         if checkpoint_placement is None:
             checkpoint_placement = DEFAULT_PLACEMENT[kv_cache_config.layout]
+        if isinstance(checkpoint_placement, str):  # "replay_boundary,junction", as --placement
+            checkpoint_placement = checkpoint_placement.split(",")
         if not isinstance(checkpoint_placement, CheckpointPlacement):
+            if not isinstance(checkpoint_placement, (list, tuple)):
+                raise InvalidSpecError(f"checkpoint_placement must be a CheckpointPlacement or rule names, got "
+                                       f"{checkpoint_placement!r}")
             checkpoint_placement = placement_from_names(checkpoint_placement)
         #: the rules ``next_chunk_end`` follows (mambakv.placement)
         self.checkpoint_placement = checkpoint_placement

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from mambakv.core.arena import SuperblockArena
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
-from mambakv.core.errors import as_count
+from mambakv.core.errors import InvalidRequestError, InvalidTokenCountError, as_count
 from mambakv.core.events import KVCacheEvent
 from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheSpec, MambaSpec
@@ -104,8 +104,17 @@ class CoordinatorPools:
         blocks included), in either layout. Read-only; pins and checks nothing.
 
         Raises:
-            InvalidTokenCountError: a negative or non-int count.
+            InvalidTokenCountError: a negative or non-int count, or more than ``max_model_len``
+                tokens (``allocate`` raises it too).
+            InvalidRequestError: `request` is not a Request.
         """
+        if not isinstance(request, Request):
+            raise InvalidRequestError(f"can_allocate needs a Request, got {type(request).__name__}")
+        total = request.num_computed_tokens + as_count(num_new_computed_tokens, "num_new_computed_tokens") \
+            + as_count(num_new_tokens, "num_new_tokens")
+        if total > self.max_model_len:
+            raise InvalidTokenCountError(f"request {request.request_id!r} would reach {total} tokens > max_model_len "
+                                         f"{self.max_model_len}")
         if self.arena is None:
             need = self.num_blocks_needed(request, num_new_tokens, num_new_computed_tokens=num_new_computed_tokens,
                                           new_computed_blocks=new_computed_blocks,

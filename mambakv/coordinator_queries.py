@@ -77,7 +77,10 @@ class CoordinatorQueries(CoordinatorPools):
 
         Raises:
             InvalidTokenCountError: a negative or non-int count, or more computed tokens than the request has.
+            InvalidRequestError: `request` is not a Request.
         """
+        if not isinstance(request, Request):
+            raise InvalidRequestError(f"next_chunk_end needs a Request, got {type(request).__name__}")
         budget = as_count(budget, "budget")
         computed = request.num_computed_tokens if num_computed_tokens is None else as_count(
             num_computed_tokens, "num_computed_tokens")
@@ -101,6 +104,8 @@ class CoordinatorQueries(CoordinatorPools):
         stops chunks at the same place). 0 without caching or attention groups. Read-only:
         pins nothing and counts no statistics.
         """
+        if not isinstance(request, Request):
+            raise InvalidRequestError(f"get_shared_prefix_length needs a Request, got {type(request).__name__}")
         request.set_hash_block_size(self.hash_block_size)
         return self._hits.shared_prefix_length(request) if self.enable_caching else 0
 

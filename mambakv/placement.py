@@ -228,6 +228,8 @@ def placement_from_names(names: Sequence[str], *, stop_before_last_token: bool =
     """
     boundary = ReplayBoundary(stop_before_last_token=stop_before_last_token)
     rules: list[PlacementRule] = []
+    if len(set(names)) != len(names):
+        raise InvalidSpecError(f"a placement rule is named twice: {list(names)}")
     for name in names:
         if name == "replay_boundary":
             rules.append(boundary)

@@ -35,7 +35,7 @@ from mambakv.core.errors import InvalidSpecError
 from mambakv.core.spec import DTYPE_SIZES, AttentionSpec, KVCacheConfig, MambaSpec
 from mambakv.device.layout_views import LayoutViews
 from mambakv.device.state_pool import CopyBackend, MambaStatePool
-from mambakv.device.views import carve_state_views, default_device, torch_dtype
+from mambakv.device.views import carve_state_views, checked_device, default_device, torch_dtype
 
 __all__ = ["DecoupledLayout"]
 
@@ -102,7 +102,7 @@ class DecoupledLayout(LayoutViews):
                                            f"slot's {geometry.state_bytes // self.group_size} B")
             else:
                 raise InvalidSpecError(f"no layout for spec {type(spec).__name__}")
-        self.device = torch.device(device) if device is not None else default_device()
+        self.device = checked_device(device) if device is not None else default_device()
         self.raw: tuple[torch.Tensor, ...] = tuple(
             torch.zeros(self.num_slots, self.superblock_bytes_per_layer, dtype=torch.uint8, device=self.device)
             for _ in range(self.group_size))

@@ -31,7 +31,7 @@ from mambakv.core.errors import InvalidSpecError
 from mambakv.core.spec import DTYPE_SIZES, AttentionSpec, KVCacheConfig, MambaSpec
 from mambakv.device.layout_views import LayoutViews
 from mambakv.device.state_pool import CopyBackend, MambaStatePool
-from mambakv.device.views import carve_state_views, default_device, torch_dtype
+from mambakv.device.views import carve_state_views, checked_device, default_device, torch_dtype
 
 __all__ = ["HybridLayout", "check_uniform_page_size"]
 
@@ -78,7 +78,7 @@ class HybridLayout(LayoutViews):
             raise InvalidSpecError(f"unknown copy_backend {copy_backend!r}") from None
         self.group_size, self.page_size_bytes = check_uniform_page_size(kv_cache_config)
         self.num_blocks = kv_cache_config.num_blocks
-        self.device = torch.device(device) if device is not None else default_device()
+        self.device = checked_device(device) if device is not None else default_device()
         self.raw: tuple[torch.Tensor, ...] = tuple(
             torch.zeros(self.num_blocks, self.page_size_bytes, dtype=torch.uint8,
                         device=self.device)

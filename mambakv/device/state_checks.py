@@ -56,7 +56,8 @@ def check_block_ids(ids: Sequence[int], num_blocks: int, what: str) -> None:
                                    f"{sorted(ids)}")
 
 
-def check_copy_plan(pairs: Sequence[tuple[int, int]], num_blocks: int) -> tuple[list[int], list[int]]:
+def check_copy_plan(pairs: Sequence[tuple[int, int]], num_blocks: int, *,
+                    null_row_aliased: bool = False) -> tuple[list[int], list[int]]:
     """The sources and destinations of non-empty `pairs`; raises InvalidCopyPlanError for the
     plans ``MambaStatePool.copy_`` refuses (see there)."""
     try:
@@ -69,6 +70,8 @@ def check_copy_plan(pairs: Sequence[tuple[int, int]], num_blocks: int) -> tuple[
     dst_set = set(dst)
     if 0 in dst_set:
         raise InvalidCopyPlanError(f"copy_ would write the null block 0: {list(pairs)}")
+    if null_row_aliased and 0 in src:  # decoupled: slot 0's row is superblock 0's live pages
+        raise InvalidCopyPlanError(f"copy_ would read the null slot 0 (its row holds attention pages): {list(pairs)}")
     if len(dst_set) != len(dst):
         raise InvalidCopyPlanError(f"copy_ writes a block twice: {list(pairs)}")
     if any(s != d and s in dst_set for s, d in zip(src, dst)):

@@ -213,11 +213,12 @@ class MambaStatePool:
             InvalidCopyPlanError (before anything is written): a non-int or out-of-range id, a
                 destination 0 (the null block), a destination listed twice, or a source that is
                 another pair's destination (a chain ``a -> b -> c`` must be composed by the
-                caller into ``a -> c``; DESIGN.md 5.1 says the library's plans never chain).
+                caller into ``a -> c``; DESIGN.md 5.1 says the library's plans never chain), or
+                with ``null_row_aliased`` (the decoupled layout) a source 0: that row holds pages.
         """
         if not pairs:
             return
-        src, dst = check_copy_plan(pairs, self.num_blocks)
+        src, dst = check_copy_plan(pairs, self.num_blocks, null_row_aliased=self.null_row_aliased)
         if self._fused is not None:  # the plan is valid: all pairs may run concurrently
             moved = [(s, d) for s, d in zip(src, dst) if s != d]
             self._fused.copy_rows([s for s, _ in moved], [d for _, d in moved])

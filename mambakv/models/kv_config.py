@@ -172,9 +172,12 @@ def build_kv_cache_config(model: HybridModel | str, memory_bytes: int, *,
 
     Raises:
         ModelConfigError: unknown model or a TP size that does not divide its heads.
-        InvalidSpecError: fewer than 2 blocks (superblocks) fit in ``memory_bytes``, an unknown
+        InvalidSpecError: `memory_bytes` not a positive int, fewer than 2 blocks (superblocks)
+            fit in it, an unknown
             `layout`, or a decoupled layout of a model without attention.
     """
+    if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int) or memory_bytes <= 0:
+        raise InvalidSpecError(f"memory_bytes must be a positive int (bytes), got {memory_bytes!r}")
     model = load_model(model)
     if layout not in LAYOUTS:
         raise InvalidSpecError(f"layout must be one of {LAYOUTS}, got {layout!r}")
