@@ -36,10 +36,24 @@ def group_kind(manager: SingleTypeKVCacheManager) -> str:
 
 def group_usage(coord: KVCacheCoordinator) -> list[int]:
     """Distinct non-null blocks held by the tables of each group (shared blocks count once).
-    Cost: O(total table entries)."""
+
+    A group alone on its pool (the decoupled layout's attention group) is the pool's used
+    count, O(1); otherwise the distinct ids of its tables from each one's retirement watermark
+    (every slot below it is null), O(live table entries)."""
+    users: dict[int, int] = {}
+    for m in coord.managers:
+        users[m.block_pool.pool_id] = users.get(m.block_pool.pool_id, 0) + 1
     out = []
     for m in coord.managers:
-        ids = {b.block_id for table in m.req_to_blocks.values() for b in table}
+        pool = m.block_pool
+        if users[pool.pool_id] == 1:
+            out.append(pool.num_blocks - 1 - pool.get_num_free_blocks() - pool.num_reserved_blocks)
+            continue
+        ids: set[int] = set()
+        for rid in m.req_to_blocks:
+            t = m.get_table(rid)
+            if t is not None:
+                ids.update(b.block_id for b in t.blocks[t.retired_below:])
         ids.discard(0)
         out.append(len(ids))
     return out
