@@ -40,6 +40,9 @@ __all__ = ["ArenaBytes", "SuperblockArena", "SuperblockGeometry"]
 
 FREE, PAGES, SLOT = 0, 1, 2
 
+#: page superblocks a slot allocation tries, from the LRU end, before it evicts a cached slot
+LRU_PROBE = 32
+
 
 @dataclass(frozen=True)
 class SuperblockGeometry:
@@ -220,7 +223,9 @@ class SuperblockArena:
                 self._lend_slot(self._free.pop())
                 got += 1
                 continue
-            found = pages.find_free_superblocks(1)
+            # With a cached slot to evict instead, only probe the LRU end of the page queue: a
+            # full walk finds nothing when live pages are spread over every superblock.
+            found = pages.find_free_superblocks(1, max_tried=None if walk is None else LRU_PROBE)
             spare_pages = pages.get_num_free_blocks() - k >= need_pages
             if found and (walk is None or (spare_pages and found[0][1] < slots.freed_at[walk.block_id])):
                 self._pages_to_slot(found[0][0])

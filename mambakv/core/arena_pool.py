@@ -77,10 +77,12 @@ class ArenaPool(BlockPool):
                 return False
         return True
 
-    def find_free_superblocks(self, n: int, exclude: Container[int] = ()) -> list[tuple[int, int]]:
+    def find_free_superblocks(self, n: int, exclude: Container[int] = (),
+                              max_tried: int | None = None) -> list[tuple[int, int]]:
         """Up to `n` superblocks whose blocks are all free, found by walking the free queue from
         its head (unhashed blocks, then the least recently freed): ``(superblock, newest
-        freed_at of its blocks)`` in walk order. Superblocks in `exclude` are skipped.
+        freed_at of its blocks)`` in walk order. Superblocks in `exclude` are skipped; with
+        `max_tried`, the walk stops after trying that many superblocks (a probe, not a search).
 
         Cost: O(k) per superblock tried. Pages of one superblock are lent together, taken by
         one table and freed together, so the walk usually stops at the first one; it is long
@@ -99,6 +101,8 @@ class ArenaPool(BlockPool):
                     out.append((sb, max(stamps[sb * k:(sb + 1) * k])))
                     if len(out) == n:
                         break
+                if max_tried is not None and len(tried) >= max_tried:
+                    break
             block = block.next_free_block
         return out
 
