@@ -118,9 +118,14 @@ class BlockPool:
             block.ref_cnt = 1
             return [block]
         blocks = self.free_block_queue.popleft_n(num_blocks)
-        self.prefix_map.remove_many(blocks)
+        hashed = None
         for block in blocks:
             block.ref_cnt = 1
+            if block.block_hash is not None:  # evicted below in one call (a fresh pool: none)
+                hashed = hashed or []
+                hashed.append(block)
+        if hashed:
+            self.prefix_map.remove_many(hashed)
         return blocks
 
     def get_new_unhashed_block(self) -> KVCacheBlock | None:
