@@ -21,12 +21,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from mambakv.coordinator_pools import CoordinatorPools
+from mambakv.coordinator_pools import CoordinatorPools, build_pools
 from mambakv.coordinator_queries import CoordinatorQueries
 from mambakv.coordinator_results import CoordinatorResults
-from mambakv.core.arena import SuperblockArena
 from mambakv.core.block import KVCacheBlock
-from mambakv.core.block_pool import BlockPool
 from mambakv.core.errors import (
     HashBlockSizeMismatchError,
     InvalidRequestError,
@@ -38,7 +36,7 @@ from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheConfig, MambaCacheMode
 from mambakv.groups import MambaManager, SingleTypeKVCacheManager, make_manager, share_identical_policies
 from mambakv.hits import PrefixCacheStats, PrefixHitFinder
-from mambakv.placement import DEFAULT_PLACEMENT, CheckpointPlacement, placement_from_names
+from mambakv.placement import DEFAULT_PLACEMENT, CheckpointPlacement, resolve_placement
 from mambakv.plans import KVCacheBlocks
 from mambakv.request_state import RequestState, check_computed
 
@@ -46,7 +44,7 @@ __all__ = ["DEFAULT_PLACEMENT", "KVCacheCoordinator", "share_identical_policies"
 
 
 class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPools):
-    """One BlockPool shared by all groups, one manager per group.
+    """One manager per group over one BlockPool (unified) or a SuperblockArena's two pools (decoupled).
 
     Args:
         kv_cache_config: ``num_blocks`` (block 0 is the null block) and the groups.
@@ -98,16 +96,10 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
         self.kv_cache_config = kv_cache_config
         self.enable_caching = enable_caching
         self.use_eagle = use_eagle
-        #: the decoupled layout's superblocks (None: unified, one pool for every group)
-        self.arena: SuperblockArena | None = None
-        if kv_cache_config.superblocks is None:
-            self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching, enable_kv_cache_events)
-            #: the pool of the Mamba groups' state blocks (``block_pool`` itself when unified)
-            self.state_block_pool = self.block_pool
-        else:
-            self.arena = SuperblockArena(kv_cache_config.superblocks, enable_caching=enable_caching,
-                                         enable_kv_cache_events=enable_kv_cache_events)
-            self.block_pool, self.state_block_pool = self.arena.pages, self.arena.slots
+        #: decoupled: the superblocks behind the page pool (``block_pool``) and the state-slot pool
+        #: (``state_block_pool``); unified: None, and one pool is both
+        self.arena, self.block_pool, self.state_block_pool = build_pools(kv_cache_config, enable_caching,
+                                                                         enable_kv_cache_events)
         self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             make_manager(g.kv_cache_spec, self.pool_of(g.kv_cache_spec), enable_caching=enable_caching,
                          kv_cache_group_id=i, max_num_seqs=max_num_seqs, spare_may_evict=lazy_spare_may_evict)
@@ -138,22 +130,13 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
         self._copies_pending = self._zeros_pending = False
         self.prefix_cache_stats = PrefixCacheStats()
         self.num_steps = 0
-        if checkpoint_placement is None:
-            checkpoint_placement = DEFAULT_PLACEMENT[kv_cache_config.layout]
-        if isinstance(checkpoint_placement, str):  # "replay_boundary,junction", as --placement
-            checkpoint_placement = checkpoint_placement.split(",")
-        if not isinstance(checkpoint_placement, CheckpointPlacement):
-            if not isinstance(checkpoint_placement, (list, tuple)):
-                raise InvalidSpecError(f"checkpoint_placement must be a CheckpointPlacement or rule names, got "
-                                       f"{checkpoint_placement!r}")
-            checkpoint_placement = placement_from_names(checkpoint_placement)
         #: the rules ``next_chunk_end`` follows (mambakv.placement)
-        self.checkpoint_placement = checkpoint_placement
+        self.checkpoint_placement = resolve_placement(checkpoint_placement, kv_cache_config.layout)
         #: prefill chunks end on multiples of this (the hit alignment) when a Mamba group caches
         #: states in align mode, else 0 (no rule applies: a chunk is what the budget allows)
         self.chunk_alignment = self.alignment_tokens if enable_caching and any(
             m.mode is MambaCacheMode.ALIGN for m in self.mamba_managers) else 0
-        checkpoint_placement.check_alignment(self.chunk_alignment)
+        self.checkpoint_placement.check_alignment(self.chunk_alignment)
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, request: Request, num_new_tokens: int, *, num_new_computed_tokens: int = 0,

@@ -16,11 +16,22 @@ from mambakv.core.block_pool import BlockPool
 from mambakv.core.errors import InvalidRequestError, InvalidTokenCountError, as_count
 from mambakv.core.events import KVCacheEvent
 from mambakv.core.request import Request
-from mambakv.core.spec import KVCacheSpec, MambaSpec
+from mambakv.core.spec import KVCacheConfig, KVCacheSpec, MambaSpec
 from mambakv.groups import SingleTypeKVCacheManager
 from mambakv.plans import KVCacheBlocks
 
-__all__ = ["CoordinatorPools"]
+__all__ = ["CoordinatorPools", "build_pools"]
+
+
+def build_pools(config: KVCacheConfig, enable_caching: bool,
+                enable_kv_cache_events: bool) -> tuple[SuperblockArena | None, BlockPool, BlockPool]:
+    """``(arena, block_pool, state_block_pool)`` of `config` (see the module docstring's table)."""
+    if config.superblocks is None:
+        pool = BlockPool(config.num_blocks, enable_caching, enable_kv_cache_events)
+        return None, pool, pool
+    arena = SuperblockArena(config.superblocks, enable_caching=enable_caching,
+                            enable_kv_cache_events=enable_kv_cache_events)
+    return arena, arena.pages, arena.slots
 
 
 class CoordinatorPools:

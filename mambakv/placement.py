@@ -40,7 +40,7 @@ from mambakv.core.errors import InvalidSpecError
 from mambakv.core.request import Request
 
 __all__ = ["DEFAULT_PLACEMENT", "VLLM_PLACEMENT", "CheckpointPlacement", "ChunkEnds", "ChunkGrid", "Junction", "PlacementRule",
-           "PrefixQueries", "ReplayBoundary", "placement_from_names"]
+           "PrefixQueries", "ReplayBoundary", "placement_from_names", "resolve_placement"]
 
 
 class PrefixQueries(Protocol):
@@ -243,3 +243,21 @@ def placement_from_names(names: Sequence[str], *, stop_before_last_token: bool =
             raise InvalidSpecError(f"unknown placement rule {name!r}; known: replay_boundary, junction, "
                                    f"chunk_ends, chunk_grid:K")
     return CheckpointPlacement(rules)
+
+
+def resolve_placement(placement: CheckpointPlacement | Sequence[str] | str | None, layout: str) -> CheckpointPlacement:
+    """A coordinator's ``checkpoint_placement=``: a :class:`CheckpointPlacement` as is, rule names
+    (a str is split at commas, as ``--placement``), or None for ``DEFAULT_PLACEMENT[layout]``.
+
+    Raises:
+        InvalidSpecError: anything else, or a name ``placement_from_names`` refuses.
+    """
+    if placement is None:
+        placement = DEFAULT_PLACEMENT[layout]
+    if isinstance(placement, str):
+        placement = placement.split(",")
+    if isinstance(placement, CheckpointPlacement):
+        return placement
+    if not isinstance(placement, (list, tuple)):
+        raise InvalidSpecError(f"checkpoint_placement must be a CheckpointPlacement or rule names, got {placement!r}")
+    return placement_from_names(placement)

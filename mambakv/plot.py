@@ -145,7 +145,7 @@ def plot_blocks(ax: Any, result: SimResult, steps: list[int], usage: list[tuple[
     m, pool = result.metrics, result.coord.block_pool
     bands = merge_identical_groups([g.kind for g in m.groups], usage)
     ys, labels, colors = [], [], [f"C{i}" for i in range(len(bands))]
-    reserved = pool.num_reserved_blocks  # blocks taken out of circulation (reserve_blocks), in no table
+    reserved = pool.num_reserved_blocks  # blocks out of circulation, in no table (none in the unified layout)
     if reserved:
         ys.append([reserved] * len(steps))
         labels.append(f"reserved blocks: {reserved:,}")

@@ -61,7 +61,7 @@ class BlockPool:
         #: group id -> block hash -> block, or {block_id: block} when several share the hash
         #: (the PrefixMap's own dict: read it, change it only through the pool)
         self.cached_block_hash_to_block = self.prefix_map.maps
-        #: blocks taken out of circulation for good by ``reserve_blocks`` (in use, never freed)
+        #: blocks out of circulation, in no table (a decoupled pool's withdrawn blocks; 0 otherwise)
         self.num_reserved_blocks = 0
 
     @property
@@ -141,18 +141,6 @@ class BlockPool:
         q.popleft()
         block.ref_cnt = 1
         return block
-
-    def reserve_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Take `num_blocks` blocks out of circulation for good (ref count 1, never freed by the
-        pool's users), e.g. the scratch region of a lazy Mamba group. They count as used in
-        ``usage``; ``reset_prefix_cache`` ignores them.
-
-        Raises:
-            InvalidTokenCountError / OutOfBlocksError: as ``get_new_blocks`` (nothing changes).
-        """
-        blocks = self.get_new_blocks(num_blocks)
-        self.num_reserved_blocks += num_blocks
-        return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Ref count +1 for each block (a prefix hit); a block at 0 leaves the free queue
@@ -284,7 +272,7 @@ class BlockPool:
         """Drop every hash, if no block other than the null block is in use.
 
         Returns False and changes nothing while any request holds a block (free or preempt
-        them first, see docs/engine-integration.md). Reserved blocks (``reserve_blocks``) do
+        them first, see docs/engine-integration.md). Out-of-circulation blocks (``num_reserved_blocks``) do
         not count as in use here."""
         if self.free_block_queue.num_free_blocks != self.num_blocks - 1 - self.num_reserved_blocks:
             return False

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from mambakv.core.arena import SuperblockGeometry
+from mambakv.core.arena_geometry import SuperblockGeometry
 from mambakv.core.dtypes import DTYPE_SIZES as DTYPE_SIZES  # re-exported: spec.py was their home
 from mambakv.core.dtypes import dtype_name as dtype_name
 from mambakv.core.dtypes import dtype_size as dtype_size
