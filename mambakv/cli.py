@@ -23,9 +23,18 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from mambakv import __version__
-from mambakv.cli_args import COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, PROBABILITY, Parser, progress
+from mambakv.cli_args import (
+    COUNT,
+    NON_NEGATIVE,
+    POSITIVE,
+    POSITIVE_INT,
+    PROBABILITY,
+    Parser,
+    add_eviction_arguments,
+    progress,
+)
 from mambakv.cli_fleet import FLEET_INDEXES, FLEET_LOAD_BOUND, FLEET_ROUTERS, add_fleet_arguments, run_fleet_command
-from mambakv.core.errors import MambaKVError
+from mambakv.core.errors import InvalidSpecError, MambaKVError
 from mambakv.models.kv_config import DEFAULT_PAGE_TOKENS, LAYOUTS
 from mambakv.plot import PLOT_SUFFIXES, check_plot_path, merge_identical_groups, plot_series, write_plot
 from mambakv.report import GIB, MIB, REPORT_HELP, format_report
@@ -88,6 +97,7 @@ def _add_common(p: argparse.ArgumentParser, *, in_flight: int, spec_tokens: int)
                    help="step clock: ms per scheduled token (default 0.05)")
     p.add_argument("--seed", type=COUNT, default=0,
                    help="seed of the random prompts, outputs and draft acceptance (default 0)")
+    add_eviction_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--plot", metavar="PNG", default=None,
@@ -119,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replay", choices=("strict", "conversation"), default="strict",
                    help="strict (default): equal hash ids = equal tokens, outputs unique; conversation: as strict, "
                         "and a next turn that is long enough begins with its parent's prompt and generated tokens")
+    p.add_argument("--oracle-hints", action="store_true",
+                   help="ORACLE: set each request's retention hint from the trace's future (high when a later "
+                        "request shares more than the first block with it, else low); an upper bound, not a policy")
     p = sub.add_parser("chat", help="multi-turn conversations (each turn extends the previous one)",
                        epilog=epilog, formatter_class=raw)
     _add_common(p, in_flight=0, spec_tokens=0)
@@ -189,7 +202,10 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                   in_flight=args.in_flight, memory_gib=args.memory_gib, use_eagle=args.use_eagle, seed=args.seed,
                   acceptance_rate=args.acceptance_rate, step_ms=args.step_ms, ms_per_token=args.ms_per_token,
                   mamba_policy=_mamba_policy(args), layout=args.layout, page_tokens=args.page_tokens,
-                  placement=args.placement.split(",") if args.placement else None)
+                  placement=args.placement.split(",") if args.placement else None,
+                  eviction=args.eviction, hazard_table=args.hazard_table)
+    if args.layout == "unified" and (args.eviction == "reuse" or args.hazard_table or args.save_hazard_table):
+        raise InvalidSpecError("--eviction reuse and the hazard tables need --layout decoupled")
     bar = None
     specs: list[RequestSpec] | None = None
     result: SimResult
@@ -208,7 +224,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             if args.command == "trace":
                 result = run_trace(args.path, model, specs=specs, limit=args.limit, max_num_seqs=args.max_num_seqs,
                                    one_at_a_time=args.one_at_a_time, on_finish=on_finish, replay=args.replay,
-                                   skip=args.skip, **common)
+                                   skip=args.skip, oracle_hints=args.oracle_hints, **common)
             else:
                 result = run_conversations(model, num_conversations=args.conversations, turns=args.turns, specs=specs,
                                            max_num_seqs=args.max_num_seqs, one_at_a_time=args.one_at_a_time,
@@ -229,6 +245,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if bar is not None:
             bar.close()
+    if args.save_hazard_table:
+        hazard = getattr(result.coord.units.policy, "hazard", None) if result.coord.units is not None else None
+        if hazard is None:
+            raise InvalidSpecError("--save-hazard-table needs the reuse eviction policy")
+        hazard.save(args.save_hazard_table)
+        print(f"wrote {args.save_hazard_table}", file=sys.stderr)
     d = result.to_dict()
     if d["rejected"]:
         warn(f"{d['rejected']:,} of {d['requests']:,} requests rejected: a prompt of max_model_len "

@@ -61,3 +61,14 @@ def progress(total: int, quiet: bool) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
+
+
+def add_eviction_arguments(p: argparse.ArgumentParser) -> None:
+    """``--eviction``, ``--hazard-table``, ``--save-hazard-table`` (decoupled layout)."""
+    p.add_argument("--eviction", choices=("reuse", "lru"), default=None,
+                   help="decoupled layout: which eviction unit (a state and its pages) goes first: reuse (the "
+                        "default: lowest learned hit density per byte) or lru; the unified layout is LRU")
+    p.add_argument("--hazard-table", metavar="JSON", default=None,
+                   help="warm-start the reuse policy from a table written by --save-hazard-table")
+    p.add_argument("--save-hazard-table", metavar="JSON", default=None,
+                   help="write the reuse policy's learned hazard table after the run")

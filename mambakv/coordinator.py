@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from mambakv.coordinator_pools import CoordinatorPools, build_pools
+from mambakv.coordinator_pools import CoordinatorPools, build_pools, build_units
 from mambakv.coordinator_queries import CoordinatorQueries
 from mambakv.coordinator_results import CoordinatorResults
 from mambakv.core.block import KVCacheBlock
@@ -32,9 +32,11 @@ from mambakv.core.errors import (
     InvalidTokenCountError,
     as_count,
 )
+from mambakv.core.eviction import EvictionPolicy
 from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheConfig, MambaCacheMode
 from mambakv.groups import MambaManager, SingleTypeKVCacheManager, make_manager, share_identical_policies
+from mambakv.groups.tables import group_block_hashes
 from mambakv.hits import PrefixCacheStats, PrefixHitFinder
 from mambakv.placement import DEFAULT_PLACEMENT, CheckpointPlacement, resolve_placement
 from mambakv.plans import KVCacheBlocks
@@ -75,7 +77,8 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
                  use_eagle: bool = False, hash_block_size: int | None = None,
                  enable_kv_cache_events: bool = False, max_num_seqs: int = 256,
                  lazy_spare_may_evict: bool = False,
-                 checkpoint_placement: CheckpointPlacement | Sequence[str] | None = None) -> None:
+                 checkpoint_placement: CheckpointPlacement | Sequence[str] | None = None,
+                 eviction: str | EvictionPolicy | None = None) -> None:
         if not isinstance(kv_cache_config, KVCacheConfig):
             raise InvalidSpecError(f"kv_cache_config must be a KVCacheConfig, got {type(kv_cache_config).__name__}")
         groups = kv_cache_config.kv_cache_groups
@@ -106,6 +109,12 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
             for i, g in enumerate(groups)
         )
         self.mamba_managers = tuple(m for m in self.managers if isinstance(m, MambaManager))
+        #: decoupled: the eviction units and their policy (mambakv.core.units), else None
+        self.units = build_units(self.arena, self.managers, eviction, enable_caching)
+        self._unit_tables = tuple(m for m in self.managers if self.units is not None
+                                  and m.kv_cache_group_id in self.units.page_gids)
+        #: seconds: the engine's clock, the latest ``now`` given to allocate / free (ages of units)
+        self.now = 0.0
         #: the managers that run a policy (groups with one Mamba spec share the first one's)
         self.policies: tuple[SingleTypeKVCacheManager, ...] = share_identical_policies(self.managers)
         self._columns = tuple(m.column_ids for m in self.policies)
@@ -141,7 +150,8 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
     # ------------------------------------------------------------------ allocation
     def allocate(self, request: Request, num_new_tokens: int, *, num_new_computed_tokens: int = 0,
                  new_computed_blocks: KVCacheBlocks | None = None,
-                 num_lookahead_tokens: int = 0, num_draft_tokens: int | None = None) -> KVCacheBlocks | None:
+                 num_lookahead_tokens: int = 0, num_draft_tokens: int | None = None,
+                 now: float | None = None) -> KVCacheBlocks | None:
         """Make every group's table cover ``computed + num_new_tokens`` tokens.
 
         ``computed = request.num_computed_tokens + num_new_computed_tokens``; the step's main
@@ -152,6 +162,8 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
         scheduling the next step's placeholders would count as drafts (and ``retire`` then
         raises InvalidDraftCountError). `num_lookahead_tokens` reserves attention slots for
         the drafter's next proposals (never Mamba blocks); it is capped at ``max_model_len``.
+        `now` (keyword, seconds on any monotonic clock of the engine's): the time of the step,
+        which the decoupled layout's eviction ages units by (None: the latest ``now`` given).
 
         Returns the newly allocated blocks per group (a shared empty result when no group got a
         block: do not mutate it), or None when the pool cannot supply them (hit blocks still in
@@ -175,6 +187,11 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
             rid = request.request_id
         except AttributeError:
             raise InvalidRequestError(f"allocate needs a Request, got {type(request).__name__}") from None
+        if now is not None:
+            if type(now) is float and now - now == 0.0:  # finite (inf - inf and nan - nan are nan)
+                self.now = now
+            else:
+                self.set_now(now)
         live = self._live.get(rid)
         if (live is None or live.request is not request or num_new_computed_tokens
                 or request.num_computed_tokens > live.num_scheduled):  # all but a running request's step
@@ -212,6 +229,8 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
         rid = request.request_id
         if request.hash_block_size != self.hash_block_size:
             request.set_hash_block_size(self.hash_block_size)
+        if self.units is not None:
+            self.units.now = self.now
         if new_computed_blocks is None:
             hits: Sequence[Sequence[KVCacheBlock]] = self._no_hits
         else:
@@ -250,6 +269,12 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
         if live is None:
             live = self._live[rid] = RequestState(request, tuple(p.table(rid) for p in policies), num_tokens)
             self._count_admission(request, num_new_computed_tokens)
+            if self.units is not None:
+                live.arrival = self.now
+                page = self.units.page_tokens
+                live.hit_pages = num_computed // page
+                live.parent = self.units.admit(group_block_hashes(request, page), request.num_prompt_tokens // page,
+                                               num_computed // page, self.now)
         elif live.num_scheduled < num_tokens:
             live.num_scheduled = num_tokens
         if hits is not self._no_hits:
@@ -293,5 +318,7 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
         live.retire_quiet = quiet
         if any_new and self.mamba_managers:
             self._copies_pending = self._zeros_pending = True
+        if self.units is not None:
+            self.units.settle()
         # Most decode steps need no block: hand out one shared empty result (do not mutate it).
         return KVCacheBlocks(tuple(new_blocks)) if any_new else self._empty_blocks

@@ -13,14 +13,17 @@ from collections.abc import Sequence
 from mambakv.core.arena import SuperblockArena
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
-from mambakv.core.errors import InvalidRequestError, InvalidTokenCountError, as_count
+from mambakv.core.errors import InvalidRequestError, InvalidSpecError, InvalidTokenCountError, as_count
 from mambakv.core.events import KVCacheEvent
+from mambakv.core.eviction import EvictionPolicy, make_eviction_policy
+from mambakv.core.modes import MambaCacheMode
 from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheConfig, KVCacheSpec, MambaSpec
-from mambakv.groups import SingleTypeKVCacheManager
+from mambakv.core.units import UnitIndex
+from mambakv.groups import GroupKind, SingleTypeKVCacheManager
 from mambakv.plans import KVCacheBlocks
 
-__all__ = ["CoordinatorPools", "build_pools"]
+__all__ = ["CoordinatorPools", "build_pools", "build_units"]
 
 
 def build_pools(config: KVCacheConfig, enable_caching: bool,
@@ -32,6 +35,28 @@ def build_pools(config: KVCacheConfig, enable_caching: bool,
     arena = SuperblockArena(config.superblocks, enable_caching=enable_caching,
                             enable_kv_cache_events=enable_kv_cache_events)
     return arena, arena.pages, arena.slots
+
+
+def build_units(arena: SuperblockArena | None, managers: Sequence[SingleTypeKVCacheManager],
+                eviction: str | EvictionPolicy | None, enable_caching: bool) -> UnitIndex | None:
+    """The decoupled arena's unit index under `eviction` (None: ``reuse``), or None: the unified
+    layout, no prefix caching, or no full-attention and align-mode Mamba group to make units of
+    (then the arena evicts blocks in LRU order).
+
+    Raises:
+        InvalidSpecError: an unknown policy, or ``reuse`` / a policy object with the unified layout.
+    """
+    if arena is None:
+        if eviction is not None and eviction != "lru":
+            raise InvalidSpecError(f"eviction {eviction!r} needs the decoupled layout (the unified one is vLLM's LRU)")
+        return None
+    policy = make_eviction_policy("reuse" if eviction is None else eviction)
+    pages = [m.kv_cache_group_id for m in managers if m.kind is GroupKind.FULL_ATTENTION]
+    states = [m.kv_cache_group_id for m in managers
+              if m.kind is GroupKind.MAMBA and getattr(m, "mode", None) is MambaCacheMode.ALIGN]
+    if not enable_caching or not pages or not states:
+        return None
+    return arena.enable_units(pages, states, policy, page_tokens=managers[0].block_size)
 
 
 class CoordinatorPools:
@@ -85,7 +110,10 @@ class CoordinatorPools:
         pools = self.pools
         if any(p.get_num_free_blocks() != p.num_blocks - 1 - p.num_reserved_blocks for p in pools):
             return False  # all or nothing: check every pool before dropping any hash
-        return all([bool(p.reset_prefix_cache()) for p in pools])
+        ok = all([bool(p.reset_prefix_cache()) for p in pools])
+        if self.arena is not None and self.arena.units is not None:
+            self.arena.units.clear()
+        return ok
 
     @property
     def pools(self) -> tuple[BlockPool, ...]:

@@ -9,7 +9,9 @@ from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
 from mambakv.core.errors import InvalidRequestError, InvalidTokenCountError, as_count
 from mambakv.core.request import Request
+from mambakv.core.units import UnitIndex
 from mambakv.groups import MambaManager, SingleTypeKVCacheManager, StatePlan
+from mambakv.groups.tables import group_block_hashes
 from mambakv.hits import PrefixCacheStats, PrefixHitFinder
 from mambakv.placement import CheckpointPlacement
 from mambakv.plans import EMPTY_STEP_PLAN, GroupPlan, KVCacheBlocks, RequestView, StepPlan
@@ -25,6 +27,7 @@ class CoordinatorQueries(CoordinatorPools):
     block_pool: BlockPool
     state_block_pool: BlockPool
     arena: SuperblockArena | None
+    units: UnitIndex | None
     hash_block_size: int
     enable_caching: bool
     use_eagle: bool
@@ -238,6 +241,10 @@ class CoordinatorQueries(CoordinatorPools):
         current."""
         if self.arena is not None:
             self.arena.check_invariants()
+            if self.units is not None:
+                page = self.units.page_tokens
+                self.units.check_invariants({h for live in self._live.values()
+                                             for h in group_block_hashes(live.request, page)})
         else:
             self.block_pool.check_invariants()
         holders: dict[tuple[int, int], int] = {}

@@ -4,9 +4,13 @@ calls when a step's outputs come back (``retire``, ``accept_drafts``) and when a
 
 from __future__ import annotations
 
+import math
+
 from mambakv.core.errors import InvalidDraftCountError, InvalidRequestError, InvalidTokenCountError, as_count
 from mambakv.core.request import Request
+from mambakv.core.units import UnitIndex
 from mambakv.groups import MambaManager, SingleTypeKVCacheManager
+from mambakv.groups.tables import group_block_hashes
 from mambakv.hits import PrefixCacheStats
 from mambakv.placement import CheckpointPlacement
 from mambakv.request_state import RequestState
@@ -24,6 +28,9 @@ class CoordinatorResults:
     _live: dict[str, RequestState]
     checkpoint_placement: CheckpointPlacement
     prefix_cache_stats: PrefixCacheStats
+    units: UnitIndex | None
+    now: float
+    _unit_tables: tuple[SingleTypeKVCacheManager, ...]
 
     def retire(self, request_id: str, num_processed_tokens: int) -> None:
         """Outputs came back: `num_processed_tokens` (settled, never the optimistic scheduled
@@ -69,6 +76,8 @@ class CoordinatorResults:
                 quiet = nxt
         live.retire_quiet = quiet
         live.refresh(policies)  # publishing or retiring moves the allocation thresholds: recount now
+        if self.units is not None:  # a decode checkpoint may have taken a cached block
+            self.units.settle()
 
     def accept_drafts(self, request_id: str, num_accepted: int) -> dict[int, list[tuple[int, int]]]:
         """After a verify step: per Mamba group, the copies (accepted scratch -> running
@@ -87,16 +96,35 @@ class CoordinatorResults:
         if live is not None:  # the verify moved states: the next allocate / retire recount
             live.retire_quiet = 0
             live.refresh(self.policies)
+        if self.units is not None:
+            self.units.settle()
         return out
 
-    def free(self, request_id: str) -> None:
+    def set_now(self, now: float) -> None:
+        """Set the engine's clock (seconds; ``allocate`` and ``free`` take it as ``now=``).
+
+        Raises:
+            InvalidTokenCountError: not a finite number.
+        """
+        if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
+            raise InvalidTokenCountError(f"now must be a finite number of seconds, got {now!r}")
+        self.now = float(now)
+        if self.units is not None:
+            self.units.now = self.now
+
+    def free(self, request_id: str, *, now: float | None = None) -> None:
         """A request finished or is preempted: free every group's table and drop its one
-        RequestState. Unknown ids are a no-op.
+        RequestState. Unknown ids are a no-op. In the decoupled layout its chain joins the
+        eviction units (:mod:`mambakv.core.units`) with its ``retain`` hint, at `now` (seconds;
+        None: the latest given).
 
         Raises:
             DoubleFreeError: a block of its tables is already free (an earlier misuse); nothing
                 changed (every group is checked before any is freed).
+            InvalidTokenCountError: `now` is not a finite number; nothing changed.
         """
+        if now is not None:
+            self.set_now(now)
         if request_id not in self._live and not any(request_id in m.req_to_blocks for m in self.managers):
             if type(request_id) is not str:
                 raise InvalidRequestError(f"request ids are strs, got {type(request_id).__name__} {request_id!r}")
@@ -104,10 +132,18 @@ class CoordinatorResults:
             return
         for m in self.policies:
             m.check_free(request_id)
+        units = self.units
+        tables = [list(m.req_to_blocks.get(request_id, ())) for m in self._unit_tables] if units is not None else None
         for m in self.policies:
             m.free(request_id)
-        self._live.pop(request_id, None)
+        live = self._live.pop(request_id, None)
         self.checkpoint_placement.forget(request_id)
+        if units is not None and live is not None and tables is not None:
+            request = live.request
+            units.register(group_block_hashes(request, units.page_tokens), tables, retain=request.retain, arrival=live.arrival,
+                           prompt_tokens=request.num_prompt_tokens, parent=live.parent, now=self.now,
+                           hit_pages=live.hit_pages)
+            units.settle()
 
     def preempt_all(self) -> list[str]:
         """Free every request (the engine re-queues them to recompute) and return their ids,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from mambakv.core.errors import InvalidBlockError, InvalidRequestError, InvalidTokenCountError
 from mambakv.core.request import Request
+from mambakv.core.unit_types import Unit
 from mambakv.groups.base import BlockTable, SingleTypeKVCacheManager
 from mambakv.plans import KVCacheBlocks, RequestView, TableView
 
@@ -26,7 +27,7 @@ class RequestState:
     """A request that holds blocks (see the module docstring)."""
 
     __slots__ = ("request", "tables", "num_scheduled", "num_covered", "quiet_tokens", "retire_quiet", "thresholds",
-                 "quiet_max")
+                 "quiet_max", "arrival", "parent", "hit_pages")
 
     def __init__(self, request: Request, tables: tuple[BlockTable, ...], num_scheduled: int) -> None:
         self.request = request
@@ -39,6 +40,11 @@ class RequestState:
         self.thresholds: list[tuple[int, int]] = [(0, 0)] * len(tables)
         #: the largest ``min(covered, quiet)`` of any policy: a step beyond it leaves none quiet
         self.quiet_max = 0
+        #: seconds (the engine's clock) at admission, and the unit of the prompt it continues
+        #: (decoupled layout's eviction units; None elsewhere)
+        self.arrival = 0.0
+        self.parent: Unit | None = None
+        self.hit_pages = 0
 
     def refresh(self, managers: tuple[SingleTypeKVCacheManager, ...], active: list[bool] | None = None) -> None:
         """Recompute the allocation thresholds from the tables (after a slow step); with

@@ -13,8 +13,9 @@ Page id ``p`` lies at byte ``p x page_bytes`` and slot id ``s`` at ``s x superbl
 raw tensors, so both are plain strided views (``mambakv.device.decoupled``). There is no static
 split: a superblock moves between the pools when the allocation in hand needs it.
 
-Which memory an allocation takes (``make_room``; plain LRU across both kinds, by the tick at which
-a block last became free, ``ArenaPool.freed_at``)::
+Which memory an allocation takes without a unit index (``make_room``; plain block LRU across both
+kinds, by the tick at which a block last became free, ``ArenaPool.freed_at``; with one, the
+policy evicts whole units first: :mod:`mambakv.core.arena_room`)::
 
     slot needed:  an unhashed free slot  > a FREE superblock  > the older of
                   (the LRU cached slot, the first all-free page superblock on the page
@@ -29,22 +30,21 @@ page is ever lost; a slot converts to pages only when it is free.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from mambakv.core.arena_geometry import ArenaBytes, SuperblockGeometry
 from mambakv.core.arena_pool import ArenaClock, ArenaPool
+from mambakv.core.arena_room import LRU_PROBE, UnitRoom
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.errors import OutOfBlocksError
+from mambakv.core.eviction import EvictionPolicy
+from mambakv.core.units import UnitIndex
 
 __all__ = ["ArenaBytes", "SuperblockArena", "SuperblockGeometry"]
 
 FREE, PAGES, SLOT = 0, 1, 2
 
-#: page superblocks a slot allocation tries, from the LRU end, before it evicts a cached slot
-LRU_PROBE = 32
-
-
-class SuperblockArena:
+class SuperblockArena(UnitRoom):
     """The two pools of the decoupled layout and the superblocks they borrow.
 
     Args:
@@ -76,6 +76,21 @@ class SuperblockArena:
         #: FREE superblocks, lowest id first (a stack: pop() takes the highest; ids carry no meaning)
         self._free = list(range(g.num_superblocks - 1, 0, -1))
         self.num_conversions = 0
+        #: the eviction units and their policy (``enable_units``), else None: block LRU
+        self.units: UnitIndex | None = None
+
+    def enable_units(self, page_gids: Sequence[int], state_gids: Sequence[int], policy: EvictionPolicy, *,
+                     page_tokens: int) -> UnitIndex:
+        """Evict in units (:mod:`mambakv.core.units`, :mod:`mambakv.core.arena_room`) chosen by
+        `policy`; call before any block is cached. `page_gids`: the full-attention groups,
+        `state_gids`: the Mamba groups, `page_tokens`: tokens per page."""
+        for pool in (self.pages, self.slots):
+            pool.record_losses()
+        g = self.geometry
+        self.units = UnitIndex(self.pages, self.slots, page_gids, state_gids, page_tokens=page_tokens,
+                               page_bytes=g.page_bytes, slot_bytes=g.superblock_bytes, policy=policy)
+        self.pages.after_evict = self.slots.after_evict = self.units.settle
+        return self.units
 
     # ------------------------------------------------------------------ queries
     @property
@@ -144,6 +159,11 @@ class SuperblockArena:
             OutOfBlocksError: not enough state slots can be found (``can_supply`` said no);
                 pages are not checked here: the page pops themselves raise when short.
         """
+        if self.units is not None:
+            self._evict_units_for(num_pages, num_slots)
+            self._room_for_slots_units(num_slots, num_pages)
+            self._room_for_pages_units(num_pages, num_slots)
+            return
         self._room_for_slots(num_slots, num_pages)
         self._room_for_pages(num_pages, num_slots)
 
@@ -231,7 +251,12 @@ class SuperblockArena:
             assert self.slots.lent[sb] == (kind == SLOT), f"superblock {sb}: slot pool disagrees with {kind}"
         assert sorted(self._free) == [sb for sb, kind in enumerate(self.kind) if kind == FREE], "FREE list"
         b = self.bytes
-        assert b.pages + b.states + b.idle + b.free == b.total
+        assert b.pages + b.states + b.idle + b.free == b.total  # the units: the coordinator checks them
+
+    def settle(self) -> None:
+        """Follow up evictions the unit index did not choose (no-op without units)."""
+        if self.units is not None:
+            self.units.settle()
 
 
 def _next(block: KVCacheBlock, tail: KVCacheBlock) -> KVCacheBlock | None:

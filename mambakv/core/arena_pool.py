@@ -19,13 +19,37 @@ queue from its LRU head (:meth:`find_free_superblocks`)::
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Callable, Container, Iterable, Sequence
 
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
 from mambakv.core.errors import BlockNotFreeError
+from mambakv.core.prefix_map import PrefixMap
 
-__all__ = ["ArenaClock", "ArenaPool"]
+__all__ = ["ArenaClock", "ArenaPool", "RecordingPrefixMap"]
+
+
+class RecordingPrefixMap(PrefixMap):
+    """A PrefixMap that records the hash of every block it drops (``lost``), so that the unit
+    index can follow up an eviction it did not choose (:meth:`UnitIndex.settle`). Its own
+    evictions go through :meth:`ArenaPool.drop_cached`, which records nothing."""
+
+    __slots__ = ("lost",)
+
+    def __init__(self, record_events: bool = False) -> None:
+        super().__init__(record_events)
+        self.lost: list[bytes] = []
+
+    def remove(self, block: KVCacheBlock) -> bool:
+        self.lost.append(block.block_hash)  # type: ignore[arg-type]
+        return super().remove(block)
+
+    def remove_many(self, blocks: Sequence[KVCacheBlock]) -> None:
+        lost = self.lost
+        for b in blocks:
+            if b.block_hash is not None:
+                lost.append(b.block_hash)
+        super().remove_many(blocks)
 
 
 class ArenaClock:
@@ -60,6 +84,32 @@ class ArenaPool(BlockPool):
         self.clock = clock
         self.freed_at = [0] * self.num_blocks
         self.lent = [False] * num_superblocks
+        #: called after ``evict_blocks`` (the unit index's ``settle``), or None
+        self.after_evict: Callable[[], None] | None = None
+
+    def record_losses(self) -> None:
+        """Record every dropped hash from now on (the unit index's mode); call before any
+        block is cached."""
+        assert not any(self.cached_block_hash_to_block.values()), "record_losses on a pool with cached blocks"
+        self.prefix_map = RecordingPrefixMap(record_events=self.enable_kv_cache_events)
+        self.cached_block_hash_to_block = self.prefix_map.maps
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """As BlockPool's; with a unit index, it then follows up what the loss made unreachable
+        (``UnitIndex.settle``: more cached blocks may lose their hash and move to the head)."""
+        super().evict_blocks(block_ids)
+        if self.after_evict is not None:
+            self.after_evict()
+
+    def drop_cached(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Drop the hashes of these free cached blocks and move them to the head of the free queue
+        (free without eviction), as ``evict_blocks`` does; nothing is recorded in ``lost``."""
+        PrefixMap.remove_many(self.prefix_map, blocks)
+        q = self.free_block_queue
+        for b in blocks:
+            assert b.ref_cnt == 0 and not b.is_null, f"block {b.block_id} is in a table"
+            q.remove(b)
+        q.prepend_n(blocks, checked=False)
 
     def superblock_blocks(self, sb: int) -> list[KVCacheBlock]:
         """The blocks of superblock `sb` (the null block included for superblock 0)."""
@@ -77,8 +127,8 @@ class ArenaPool(BlockPool):
                 return False
         return True
 
-    def find_free_superblocks(self, n: int, exclude: Container[int] = (),
-                              max_tried: int | None = None) -> list[tuple[int, int]]:
+    def find_free_superblocks(self, n: int, exclude: Container[int] = (), max_tried: int | None = None,
+                              *, unhashed: bool = False) -> list[tuple[int, int]]:
         """Up to `n` superblocks whose blocks are all free, found by walking the free queue from
         its head (unhashed blocks, then the least recently freed): ``(superblock, newest
         freed_at of its blocks)`` in walk order. Superblocks in `exclude` are skipped; with
@@ -86,18 +136,23 @@ class ArenaPool(BlockPool):
 
         Cost: O(k) per superblock tried. Pages of one superblock are lent together, taken by
         one table and freed together, so the walk usually stops at the first one; it is long
-        only when live pages are spread over most superblocks."""
+        only when live pages are spread over most superblocks. `unhashed`: only superblocks whose
+        blocks carry no hash, found in the queue's unhashed head (the walk stops at a cached block)."""
         out: list[tuple[int, int]] = []
         if n <= 0:
             return out
         k, stamps, tried = self.per_superblock, self.freed_at, set()
         tail = self.free_block_queue.sentinels[1]
         block = self.free_block_queue.first()
+        blocks = self.blocks
         while block is not None and block is not tail:
+            if unhashed and block.block_hash is not None:
+                break
             sb = block.block_id // k
             if sb not in tried:
                 tried.add(sb)
-                if sb not in exclude and self.superblock_is_free(sb):
+                if sb not in exclude and self.superblock_is_free(sb) and not (
+                        unhashed and any(b.block_hash is not None for b in blocks[sb * k:(sb + 1) * k])):
                     out.append((sb, max(stamps[sb * k:(sb + 1) * k])))
                     if len(out) == n:
                         break

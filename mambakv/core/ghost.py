@@ -22,6 +22,7 @@ entry), e.g. 100,000 ghosts in about 20 MB.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Generic, TypeVar
 
 from mambakv.core.errors import InvalidSpecError, as_count
@@ -73,6 +74,15 @@ class GhostIndex(Generic[T]):
     def pop(self, key: bytes) -> T | None:
         """Remove `key` and return its entry, or None if absent. Raises InvalidSpecError: `key` not bytes."""
         return self._d.pop(_key(key), None)
+
+    def pop_present(self, keys: Sequence[bytes]) -> list[tuple[int, T]]:
+        """Remove every key of `keys` that is here and return ``(position in keys, entry)`` in
+        the order of `keys`: one pass for a request's whole chain (keys are not checked)."""
+        d = self._d
+        if not d:
+            return []
+        found = [i for i, k in enumerate(keys) if k in d]
+        return [(i, d.pop(keys[i])) for i in found]
 
     def get(self, key: bytes) -> T | None:
         """The entry of `key` (its place unchanged), or None. Raises InvalidSpecError: `key` not bytes."""

@@ -8,6 +8,7 @@ import numpy as np
 
 from mambakv.core.errors import HashBlockSizeMismatchError, InvalidRequestError, InvalidTokenCountError, as_count
 from mambakv.core.hashing import TOKEN_DTYPE, TOKEN_MAX, as_token_array, encode_extra_keys, hash_blocks
+from mambakv.core.retention import Retention, parse_retention
 
 
 class Request:
@@ -29,6 +30,8 @@ class Request:
             hash is part of every block that overlaps ``[offset, offset + length)``.
         max_tokens: output tokens allowed, None or >= 0 (informational; used by the
             reference scheduler).
+        retain: retention hint of the cached prefix, ``"low"`` / ``"normal"`` / ``"high"`` / a ttl
+            in seconds (:mod:`mambakv.core.retention`; used by the decoupled layout's eviction).
 
     ``block_hashes`` holds one 16-byte digest per full hash block of ``all_token_ids``; it is
     extended lazily (only newly full blocks are hashed) whenever it is read.
@@ -42,12 +45,13 @@ class Request:
     """
 
     __slots__ = ("request_id", "num_prompt_tokens", "num_computed_tokens", "num_admissions", "lora_name", "lora_id", "cache_salt",
-                 "mm_hashes", "max_tokens", "_tokens", "_num_tokens", "_hash_block_size", "_block_hashes")
+                 "mm_hashes", "max_tokens", "_retain", "_tokens", "_num_tokens", "_hash_block_size", "_block_hashes")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray, *,
                  hash_block_size: int | None = None, lora_name: str | None = None,
                  cache_salt: str | None = None, mm_hashes: Sequence[tuple[int, int, str]] | None = None,
-                 max_tokens: int | None = None, lora_id: int | None = None) -> None:
+                 max_tokens: int | None = None, lora_id: int | None = None,
+                 retain: str | float | Retention | None = None) -> None:
         if not isinstance(request_id, str):
             raise InvalidRequestError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
         if max_tokens is not None and (not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool)
@@ -84,10 +88,23 @@ class Request:
         self.cache_salt = cache_salt
         self.mm_hashes = items
         self.max_tokens = None if max_tokens is None else int(max_tokens)
+        self._retain = parse_retention(retain)
         self._tokens = tokens
         self._num_tokens = int(tokens.size)
         self._hash_block_size = hash_block_size
         self._block_hashes: list[bytes] = []
+
+    # ------------------------------------------------------------------ retention
+    @property
+    def retain(self) -> Retention:
+        """The retention hint of this request's cached prefix (:mod:`mambakv.core.retention`);
+        read when the request is freed. Settable: ``"low"``, ``"normal"``, ``"high"``, a ttl in
+        seconds, or None (normal); anything else raises InvalidRequestError."""
+        return self._retain
+
+    @retain.setter
+    def retain(self, value: str | float | Retention | None) -> None:
+        self._retain = parse_retention(value)
 
     # ------------------------------------------------------------------ tokens
     @property

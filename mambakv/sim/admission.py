@@ -58,12 +58,14 @@ class Admission:
     reserve_full_prompt: bool
     align: int
     next_chunk: Callable[[Request, int, int], int]  # Scheduler.next_chunk
+    now_s: Callable[[], float]  # Scheduler.now_s
 
     def _timed_allocate(self, req: Request, n: int, *, num_draft_tokens: int, num_new_computed_tokens: int = 0,
                         new_computed_blocks: KVCacheBlocks | None = None) -> KVCacheBlocks | None:
         t = _now()
         new = self.coord.allocate(req, n, num_new_computed_tokens=num_new_computed_tokens,
-                                  new_computed_blocks=new_computed_blocks, num_draft_tokens=num_draft_tokens)
+                                  new_computed_blocks=new_computed_blocks, num_draft_tokens=num_draft_tokens,
+                                  now=self.now_s())
         self.metrics.library_s += _now() - t
         self.metrics.library_calls += 1
         return new

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +60,7 @@ from mambakv.core.errors import MambaKVError, TraceFormatError
 from mambakv.sim.results import SimRequest
 from mambakv.sim.workloads import TRACE_BLOCK_TOKENS, RequestSpec, iter_trace_rows
 
-__all__ = ["REPLAY_MODES", "ConversationReplay", "chain_hooks", "prepare_replay", "Link", "Relation", "TraceRow", "link_requests",
+__all__ = ["REPLAY_MODES", "ConversationReplay", "chain_hooks", "oracle_retention", "prepare_replay", "Link", "Relation", "TraceRow", "link_requests",
            "read_trace_rows"]
 
 #: ``--replay`` values: the default first.
@@ -257,6 +257,14 @@ def chain_hooks(hooks: Sequence[Callable[[SimRequest], None]]) -> Callable[[SimR
         for hook in hooks:
             hook(sreq)
     return on_finish
+
+
+def oracle_retention(specs: Sequence[RequestSpec], links: Sequence[Link]) -> list[RequestSpec]:
+    """`specs` with an oracle ``retain`` hint each: ``"high"`` when a later request of the window
+    shares more than the first block with it (it is its relative, kind not NONE: a next turn, a
+    branch or a repeat), else ``"low"``. Knowledge of the future, for an upper bound."""
+    reused = {link.relative for link in links if link.kind is not Relation.NONE and link.relative is not None}
+    return [replace(s, retain="high" if i in reused else "low") for i, s in enumerate(specs)]
 
 
 def prepare_replay(specs: Sequence[RequestSpec], path: str | Path, *, skip: int, limit: int | None,

@@ -45,7 +45,7 @@ class SimRequest:
 
     def __init__(self, spec: RequestSpec) -> None:
         self.spec = spec
-        self.request = Request(spec.request_id, spec.prompt(), max_tokens=spec.output_len)
+        self.request = Request(spec.request_id, spec.prompt(), max_tokens=spec.output_len, retain=spec.retain)
         self.processed = 0          # settled tokens (results processed)
         self.generation = 0         # +1 at each preemption: older in-flight results are dropped
         self.awaiting_output = False
@@ -72,6 +72,7 @@ class ResultProcessor:
     acceptance_rate: float
     vocab: int
     running: list[SimRequest]
+    now_s: Callable[[], float]  # Scheduler.now_s
     state_pools: Mapping[int, MambaStatePool]
     on_finish: Callable[[SimRequest], None] | None
     check_invariants: bool
@@ -137,7 +138,7 @@ class ResultProcessor:
             t = _now()
             coord.retire(rid, sreq.processed)
             if done:
-                coord.free(rid)
+                coord.free(rid, now=self.now_s())
             mt.library_s += _now() - t
             mt.library_calls += 1
             if done:

@@ -16,11 +16,13 @@ from typing import Any
 
 from mambakv.coordinator import KVCacheCoordinator
 from mambakv.core.errors import InvalidSpecError, InvalidTokenCountError
+from mambakv.core.eviction import EvictionPolicy, make_eviction_policy
+from mambakv.core.hazard import HazardTable
 from mambakv.core.spec import KVCacheConfig, MambaSpec
 from mambakv.models import build_kv_cache_config, load_model
 from mambakv.models.kv_config import DEFAULT_PAGE_TOKENS
 from mambakv.sim.causes import HitCauses
-from mambakv.sim.conversation import REPLAY_MODES, chain_hooks, prepare_replay
+from mambakv.sim.conversation import REPLAY_MODES, chain_hooks, oracle_retention, prepare_replay
 from mambakv.sim.scheduler import Scheduler, SimRequest
 from mambakv.sim.sim_result import SimResult
 from mambakv.sim.workloads import RequestSpec, conversations, load_trace, long_prefill
@@ -51,7 +53,8 @@ def build_coordinator(model: str | Path = DEFAULT_MODEL, memory_gib: float = 60.
                       max_model_len: int = DEFAULT_MAX_MODEL_LEN, mamba_policy: str | None = None,
                       max_num_seqs: int = 256, layout: str = "unified",
                       page_tokens: int = DEFAULT_PAGE_TOKENS,
-                      placement: Sequence[str] | None = None) -> KVCacheCoordinator:
+                      placement: Sequence[str] | None = None, eviction: str | None = None,
+                      hazard_table: str | Path | None = None) -> KVCacheCoordinator:
     """A coordinator for `model` over `memory_gib` GiB (or exactly `num_blocks` blocks; in the
     decoupled layout, `num_blocks` superblocks).
 
@@ -60,6 +63,8 @@ def build_coordinator(model: str | Path = DEFAULT_MODEL, memory_gib: float = 60.
     sets the Mamba groups' ``decode_checkpoints`` (None: the layout's default, ``every``
     unified, ``none`` decoupled). `layout` and `page_tokens`: as ``build_kv_cache_config``;
     `placement`: checkpoint placement rule names (None: the layout's ``DEFAULT_PLACEMENT``).
+    `eviction`: ``reuse`` / ``lru`` (None: the layout's, ``reuse`` decoupled); `hazard_table`: a
+    JSON file written by ``save_hazard_table`` to warm-start the reuse policy.
 
     Raises:
         ModelConfigError: unknown model / unreadable config.
@@ -89,8 +94,11 @@ def build_coordinator(model: str | Path = DEFAULT_MODEL, memory_gib: float = 60.
         src = f"{memory_gib:g} GiB" if num_blocks is None else "num_blocks"
         raise InvalidSpecError(f"a pool of {cfg.num_blocks:,} blocks ({src}) exceeds the simulator's limit of "
                                f"{MAX_NUM_BLOCKS:,} blocks; use less memory")
+    policy: str | EvictionPolicy | None = eviction
+    if hazard_table is not None:
+        policy = make_eviction_policy(eviction or "reuse", hazard=HazardTable.load(hazard_table))
     coord = KVCacheCoordinator(cfg, max_model_len=max_model_len, enable_caching=enable_caching, use_eagle=use_eagle,
-                               max_num_seqs=max_num_seqs, checkpoint_placement=placement)
+                               max_num_seqs=max_num_seqs, checkpoint_placement=placement, eviction=policy)
     for m in coord.mamba_managers:
         m.spare_may_evict = evict
     return coord
@@ -107,8 +115,11 @@ def _policy_name(coord: KVCacheCoordinator, mamba_policy: str | None) -> str | N
 
 def _layout_settings(coord: KVCacheCoordinator) -> dict[str, Any]:
     cfg = coord.kv_cache_config
+    units = coord.units
     return {"layout": cfg.layout, "page_tokens": coord.managers[0].block_size if cfg.superblocks else None,
-            "placement": list(coord.checkpoint_placement.names)}
+            "placement": list(coord.checkpoint_placement.names),
+            "eviction": units.policy.name if units is not None else "lru",
+            "hazard_warm_start": bool(getattr(units.policy, "warm_start", False)) if units is not None else False}
 
 
 def run_workload(coord: KVCacheCoordinator, specs: Sequence[RequestSpec], *, one_at_a_time: bool = False,
@@ -131,7 +142,8 @@ def run_replay(model: str | Path = DEFAULT_MODEL, *, prompt_tokens: int = 480_03
                max_num_batched_tokens: int = 8192, num_speculative_tokens: int = 5, in_flight: int = 2,
                memory_gib: float = 60.0, use_eagle: bool = False, seed: int = 0, mamba_policy: str | None = None,
                layout: str = "unified", page_tokens: int = DEFAULT_PAGE_TOKENS,
-               placement: Sequence[str] | None = None, **kwargs: Any) -> SimResult:
+               placement: Sequence[str] | None = None, eviction: str | None = None,
+               hazard_table: str | Path | None = None, **kwargs: Any) -> SimResult:
     """One long prefill (default 480,031 tokens) then a few decode steps, DESIGN.md 5.1's replay.
 
     With the defaults each Mamba group's request peaks at ``2 + 5 + 2 = 9`` blocks.
@@ -144,7 +156,8 @@ def run_replay(model: str | Path = DEFAULT_MODEL, *, prompt_tokens: int = 480_03
                                      f"max_model_len {DEFAULT_MAX_MODEL_LEN:,}")
     coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens, use_eagle=use_eagle,
                               mamba_policy=mamba_policy, max_num_seqs=kwargs.get("max_num_seqs", 256),
-                              layout=layout, page_tokens=page_tokens, placement=placement)
+                              layout=layout, page_tokens=page_tokens, placement=placement, eviction=eviction,
+                              hazard_table=hazard_table)
     settings = {"workload": "replay", "model": str(model), "memory_gib": memory_gib,
                 "mamba_policy": _policy_name(coord, mamba_policy), **_layout_settings(coord),
                 "prompt_tokens_requested": prompt_tokens, "output_tokens_requested": output_tokens,
@@ -161,7 +174,8 @@ def run_trace(path: str | Path, model: str | Path = DEFAULT_MODEL, *, memory_gib
               use_eagle: bool = False, max_output_tokens: int | None = None, num_blocks: int | None = None,
               seed: int = 0, specs: Sequence[RequestSpec] | None = None, mamba_policy: str | None = None,
               replay: str = "strict", skip: int = 0, layout: str = "unified", page_tokens: int = DEFAULT_PAGE_TOKENS,
-              placement: Sequence[str] | None = None, **kwargs: Any) -> SimResult:
+              placement: Sequence[str] | None = None, eviction: str | None = None,
+              hazard_table: str | Path | None = None, oracle_hints: bool = False, **kwargs: Any) -> SimResult:
     """A Mooncake JSONL trace (first `limit` requests after the first `skip` lines) through the scheduler.
 
     `replay`: ``"strict"`` (equal ids = equal tokens) or ``"conversation"`` (a next turn begins
@@ -169,7 +183,9 @@ def run_trace(path: str | Path, model: str | Path = DEFAULT_MODEL, *, memory_gib
     given, must be ``load_trace(path, limit=limit, skip=skip, ...)`` (the command builds them
     first to size its progress bar). The result's ``to_dict()`` adds ``hit_tokens_by_cause``
     (:mod:`mambakv.sim.causes`) and, under conversation replay, ``conversation_children`` /
-    ``conversation_prompts`` / ``strict_fallbacks``.
+    ``conversation_prompts`` / ``strict_fallbacks``. `oracle_hints`: each request's ``retain`` is
+    set from the trace's future (``high`` when a later request of the window shares more than
+    the first block with it, else ``low``): an oracle, reported as such.
 
     Raises:
         TraceFormatError: missing file or malformed line, `specs` not those of the trace;
@@ -180,12 +196,14 @@ def run_trace(path: str | Path, model: str | Path = DEFAULT_MODEL, *, memory_gib
     coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens,
                               use_eagle=use_eagle, num_blocks=num_blocks, mamba_policy=mamba_policy,
                               max_num_seqs=max_num_seqs, layout=layout, page_tokens=page_tokens,
-                              placement=placement)
+                              placement=placement, eviction=eviction, hazard_table=hazard_table)
     if specs is None:
         specs = load_trace(path, limit=limit, max_output_tokens=max_output_tokens, skip=skip)
     strict_specs = specs
     specs, conv, hooks = prepare_replay(specs, path, skip=skip, limit=limit, replay=replay)
     causes = HitCauses(strict_specs, conv.links)
+    if oracle_hints:
+        specs = oracle_retention(specs, conv.links)
     hooks += [causes.on_finish] + ([kwargs["on_finish"]] if kwargs.get("on_finish") else [])
     kwargs["on_finish"] = chain_hooks(hooks)
     settings = {"workload": "trace", "trace": str(path), "model": str(model), "memory_gib": memory_gib,
@@ -193,7 +211,7 @@ def run_trace(path: str | Path, model: str | Path = DEFAULT_MODEL, *, memory_gib
                 "skip": skip,
                 "limit": limit, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                 "num_speculative_tokens": num_speculative_tokens, "in_flight": in_flight,
-                "one_at_a_time": one_at_a_time}
+                "one_at_a_time": one_at_a_time, "oracle_hints": oracle_hints}
     result = run_workload(coord, specs, one_at_a_time=one_at_a_time, settings=settings, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
                           num_speculative_tokens=num_speculative_tokens, lag=in_flight, seed=seed, **kwargs)
@@ -210,11 +228,13 @@ def run_conversations(model: str | Path = DEFAULT_MODEL, *, num_conversations: i
                       use_eagle: bool = False, seed: int = 0, specs: Sequence[RequestSpec] | None = None,
                       mamba_policy: str | None = None, layout: str = "unified",
                       page_tokens: int = DEFAULT_PAGE_TOKENS, placement: Sequence[str] | None = None,
+                      eviction: str | None = None, hazard_table: str | Path | None = None,
                       **kwargs: Any) -> SimResult:
     """Multi-turn chats (:func:`~mambakv.sim.workloads.conversations`) through the scheduler."""
     coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens, use_eagle=use_eagle,
                               mamba_policy=mamba_policy, max_num_seqs=max_num_seqs, layout=layout,
-                              page_tokens=page_tokens, placement=placement)
+                              page_tokens=page_tokens, placement=placement, eviction=eviction,
+                              hazard_table=hazard_table)
     if specs is None:
         specs = conversations(num_conversations, turns, seed=seed)
     settings = {"workload": "chat", "model": str(model), "memory_gib": memory_gib,

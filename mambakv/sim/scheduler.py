@@ -111,6 +111,13 @@ class Scheduler(ResultProcessor, Admission):
         self.running: list[SimRequest] = []
         self.in_flight: deque[list[ScheduledEntry]] = deque()
         self.metrics = SimMetrics.for_coordinator(coord)
+        #: one-at-a-time runs: the running request's arrival (s), the trace clock
+        self._arrival_s: float | None = None
+
+    def now_s(self) -> float:
+        """The trace clock in seconds, passed to the coordinator as ``now``: the step clock, or
+        in a one-at-a-time run the running request's arrival."""
+        return self.metrics.clock_ms / 1000.0 if self._arrival_s is None else self._arrival_s
 
     # ------------------------------------------------------------------ token choice
     def next_chunk(self, request: Request, computed: int, budget: int) -> int:
@@ -134,7 +141,7 @@ class Scheduler(ResultProcessor, Admission):
     def preempt(self, sreq: SimRequest) -> None:
         """Free, re-queue at the front, recompute from scratch (in-flight results dropped)."""
         t = _now()
-        self.coord.free(sreq.request.request_id)
+        self.coord.free(sreq.request.request_id, now=self.now_s())
         self.metrics.library_s += _now() - t
         self.metrics.library_calls += 1
         self.running.remove(sreq)
@@ -248,7 +255,7 @@ class Scheduler(ResultProcessor, Admission):
 
         Step clock: requests join the waiting queue once ``clock_ms >= arrival_ms``; when
         nothing runs, the clock jumps to the next arrival. `one_at_a_time`: each request runs
-        alone to completion, in arrival order (no clock).
+        alone to completion, in arrival order (the coordinator's ``now`` is its arrival).
         """
         mt = self.metrics
         t0 = _now()
@@ -256,8 +263,10 @@ class Scheduler(ResultProcessor, Admission):
         mt.requests += len(order)
         if one_at_a_time:
             for spec in order:
+                self._arrival_s = spec.arrival_ms / 1000.0
                 self.waiting.append(SimRequest(spec))
                 self._run_until_idle()
+            self._arrival_s = None
         else:
             i = 0
             while i < len(order) or not self.idle():

@@ -50,6 +50,19 @@ class SimResult:
             "mean_idle_bytes": _mean([x[4] for x in m.byte_series]),
             "state_evictions": self.coord.state_block_pool.num_evictions}}
 
+    def _eviction_dict(self) -> dict[str, Any]:
+        """Decoupled layout with eviction units: what the policy did, by class, and (reuse) the
+        learned hazard table."""
+        units = self.coord.units
+        if units is None:
+            return {}
+        out = {"policy": units.policy.name, "ghosts": len(units.policy.ghost), **units.stats.to_json()}
+        hazard = getattr(units.policy, "hazard", None)
+        if hazard is not None:
+            out["warm_start"] = bool(getattr(units.policy, "warm_start", False))
+            out["hazard_table"] = hazard.to_json()
+        return {"eviction": out}
+
     def to_dict(self) -> dict[str, Any]:
         m, coord = self.metrics, self.coord
         pool = coord.block_pool
@@ -95,6 +108,7 @@ class SimResult:
             "hash_ms": round(m.hash_s * 1e3, 3),
             "blocks_returned": self.blocks_returned,
             **self._arena_dict(),
+            **self._eviction_dict(),
             **self.extra,
         }
 

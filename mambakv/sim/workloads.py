@@ -47,6 +47,8 @@ class RequestSpec:
         make_prompt: builds the prompt ids (int32 array of ``num_prompt_tokens``).
         output_token_ids: the ids to "generate" (multi-turn chats reuse them in the next
             turn); None draws random ids from the scheduler's seeded generator.
+        retain: the request's retention hint (``Request.retain``; ``mambakv trace
+            --oracle-hints`` sets it from the trace's future).
     """
 
     request_id: str
@@ -55,6 +57,7 @@ class RequestSpec:
     output_len: int
     make_prompt: Callable[[], np.ndarray] = field(repr=False)
     output_token_ids: np.ndarray | None = field(default=None, repr=False)
+    retain: str | float | None = None
 
     def prompt(self) -> np.ndarray:
         return self.make_prompt()

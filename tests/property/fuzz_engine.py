@@ -51,11 +51,16 @@ from tests.property.fuzz_model import (
 #: what the fuzzer exercised (examples, rules, steps, hits, failures...), for the report
 STATS: Counter = Counter()
 
+#: retention hints the fuzzer's requests carry (a ttl of 45 s expires under the clock it drives)
+RETAIN_HINTS = (None, "low", "normal", "high", 45.0)
+
 
 class FuzzEngine:
     def __init__(self, cfg: FuzzConfig) -> None:
         self.cfg = cfg
         self.coord = cfg.build()
+        self.clock = 0.0
+        self._unit_seen = (0, 0, 0)
         self.device = Device(cfg.mamba_gids)
         self.align = math.lcm(*cfg.block_sizes)
         self.reqs: dict[str, ShadowReq] = {}
@@ -130,7 +135,13 @@ class FuzzEngine:
         rid = next(r for r in REQUEST_IDS if r not in self.reqs)
         source = self.history[src % len(self.history)]
         tokens = (list(source[: cut]) + tail)[: MAX_MODEL_LEN - 4] or [ALPHABET[0]]
-        self.reqs[rid] = ShadowReq(rid, Request(rid, tokens, max_tokens=max_tokens), len(self.cfg.kinds))
+        retain = RETAIN_HINTS[(cut + max_tokens + len(tail)) % len(RETAIN_HINTS)]
+        self.reqs[rid] = ShadowReq(rid, Request(rid, tokens, max_tokens=max_tokens, retain=retain), len(self.cfg.kinds))
+
+    def now(self) -> float:
+        """The engine clock passed as ``now``: it moves 0-39 s per call (unit ages, ttl hints)."""
+        self.clock += (len(self.reqs) * 7 + int(self.clock)) % 40
+        return self.clock
 
     def lookup(self, sr: ShadowReq) -> None:
         """get_computed_blocks: brute-force length, shape, prefixes and states of the hit."""
@@ -148,7 +159,8 @@ class FuzzEngine:
         chunk = self._chunk(n, sr.request.num_tokens, how, frac)
         before, hashes = snapshot(self.coord), self._hashes()
         try:
-            new = self.coord.allocate(sr.request, chunk, num_new_computed_tokens=n, new_computed_blocks=hit)
+            new = self.coord.allocate(sr.request, chunk, num_new_computed_tokens=n, new_computed_blocks=hit,
+                                      now=self.now())
         except StaleCacheHitError:
             check_unchanged(before, self.coord, "a refused stale hit")
             assert not self._hit_ok(sr, hit, n), "STALE: allocate refused a hit that is still valid"
@@ -203,7 +215,7 @@ class FuzzEngine:
         """Abort between lookup and allocate: free / retire of a request holding nothing are no-ops."""
         before = snapshot(self.coord)
         self.coord.retire(sr.rid, 1)
-        self.coord.free(sr.rid)
+        self.coord.free(sr.rid, now=self.now())
         check_unchanged(before, self.coord, "free of a request holding no blocks")
         del self.reqs[sr.rid]
 
@@ -221,7 +233,7 @@ class FuzzEngine:
             lookahead = min(lookahead, k)
         new_tokens = step.real + len(step.drafts)
         before, hashes = snapshot(self.coord), self._hashes()
-        new = self.coord.allocate(sr.request, new_tokens, num_lookahead_tokens=lookahead)
+        new = self.coord.allocate(sr.request, new_tokens, num_lookahead_tokens=lookahead, now=self.now())
         if new is None:
             STATS["failed allocates"] += 1
             self.starved = True
@@ -325,7 +337,7 @@ class FuzzEngine:
     # ------------------------------------------------------------------ endings
     def _free(self, sr: ShadowReq) -> None:
         old = [set(t) - {0} for t in sr.tables]
-        self.coord.free(sr.rid)
+        self.coord.free(sr.rid, now=self.now())
         assert all(m.describe(sr.rid) is None and sr.rid not in m.req_to_blocks for m in self.coord.managers), (
             f"BOOKKEEPING: {sr.rid} kept by a manager after free")
         assert sr.rid not in live_requests(self.coord), f"BOOKKEEPING: {sr.rid} kept by the coordinator after free"
@@ -386,7 +398,11 @@ class FuzzEngine:
         pool.evict_blocks(ids)
         assert all(pool.blocks[i].block_hash is None for i in ids), "EVICT: a hash survived"
         assert self._refs(pool) == refs, "EVICT: ref counts changed"
-        assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()] == queue, "EVICT: queue order"
+        if self.coord.units is None:
+            assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()] == queue, "EVICT: queue order"
+        else:  # the unit index followed up: what the loss made unreachable moved to the head too
+            free = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+            assert sorted(free) == sorted(queue), "EVICT: the free set changed"  # order: check_invariants
 
     # ------------------------------------------------------------------ checks
     def check(self) -> None:
@@ -400,6 +416,14 @@ class FuzzEngine:
             n = self.coord.arena.num_conversions
             STATS["arena conversions"] += n - self._conversions
             self._conversions = n
+        units = self.coord.units
+        if units is not None:
+            st = units.stats
+            seen = st.evictions, st.cascades, st.reuses + st.ghost_hits
+            STATS["unit evictions"] += seen[0] - self._unit_seen[0]
+            STATS["unit cascades"] += seen[1] - self._unit_seen[1]
+            STATS["unit reuses"] += seen[2] - self._unit_seen[2]
+            self._unit_seen = seen
 
     def drain(self) -> None:
         """Every request ends: then every block is free (checked by check_requests too)."""

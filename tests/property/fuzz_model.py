@@ -63,6 +63,8 @@ class FuzzConfig:
     bases: tuple[tuple[int, ...], ...]  # token sequences prompts are cut from
     #: decoupled layout: (superblocks, pages per superblock); None: unified (one pool)
     superblocks: tuple[int, int] | None = None
+    #: decoupled layout: the eviction policy of its units
+    eviction: str | None = None
 
     @property
     def decoupled(self) -> bool:
@@ -100,7 +102,8 @@ class FuzzConfig:
             n, k = self.superblocks
             geo = SuperblockGeometry(n, k, 4, 4 * k - (k > 1))  # a slot leaves 1 B idle when k > 1
         return KVCacheCoordinator(KVCacheConfig(self.num_blocks, groups, geo), max_model_len=MAX_MODEL_LEN,
-                                  use_eagle=self.use_eagle, hash_block_size=self.hash_block_size)
+                                  use_eagle=self.use_eagle, hash_block_size=self.hash_block_size,
+                                  eviction=self.eviction)
 
 
 @st.composite
@@ -134,8 +137,9 @@ def fuzz_configs(draw, mamba: bool | None = None, decoupled: bool = False) -> Fu
     drafts = draw(st.booleans()) and (nspec > 0 or "mamba" not in kinds)
     bases = tuple(tuple(draw(st.lists(st.sampled_from(ALPHABET), min_size=MAX_PROMPT, max_size=MAX_PROMPT)))
                   for _ in range(2))
+    eviction = draw(st.sampled_from(["reuse", "lru"])) if decoupled else None
     return FuzzConfig(tuple(kinds), sizes, windows, nspec, hbs, num_blocks, draw(st.sampled_from([0, 1, 2])),
-                      drafts, draw(st.booleans()), bases, superblocks)
+                      drafts, draw(st.booleans()), bases, superblocks, eviction)
 
 
 @dataclass

@@ -39,5 +39,5 @@ def test_coordinator_state_machine_decoupled() -> None:
     deep = os.environ.get("MAMBAKV_FUZZ") == "deep"  # CI: half the unified budget (about 12 s)
     run_state_machine_as_test(DecoupledFuzzMachine, settings=active_settings() if deep else active_settings(max_examples=400))
     print(f"\nfuzzer exercised (decoupled): {dict(STATS)}")
-    for what in (*REACHED, "arena conversions"):
+    for what in (*REACHED, "arena conversions", "unit evictions", "unit cascades", "unit reuses"):
         assert STATS[what] > 0, f"the fuzzer never exercised {what}: {dict(STATS)}"

@@ -1,0 +1,118 @@
+"""Adding a freed request's chain to the unit index (:mod:`mambakv.core.units`)::
+
+    request's pages   0 .. hit-1 | hit ........ d | d+1 ...... n-1 | n ... (a gap: unreachable)
+                      in the tree  | nodes, units   | tail: dropped   | dropped
+                      (units touched)               (unless another chain's nodes)
+
+``d`` is the deepest page with a state in every Mamba group (a state in some groups only is
+dropped: it never hits; one missing from the first group came from an eviction ``settle``
+already followed up). Nodes are made only up to ``d``: a
+tail page never enters the tree. The prefix hit is walked by parent links (its nodes exist:
+the request held them), the rest by hash lookups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from mambakv.core.block import KVCacheBlock
+from mambakv.core.retention import Retention
+from mambakv.core.unit_types import Node, Unit, unit_class
+
+if TYPE_CHECKING:
+    from mambakv.core.units import UnitIndex
+
+__all__ = ["register_chain"]
+
+
+def register_chain(ix: UnitIndex, hashes: Sequence[bytes], tables: Sequence[Sequence[KVCacheBlock]], *,
+                   retain: Retention, arrival: float, prompt_tokens: int, parent: Unit | None, now: float,
+                   hit_pages: int) -> None:
+    """See the module docstring and ``UnitIndex.register``."""
+    n = min(len(hashes), min((len(t) for t in tables), default=0))
+    nodes, policy = ix.nodes, ix.policy
+    start = 0
+    if 0 < hit_pages <= n:
+        hit_node = nodes.get(hashes[hit_pages - 1])
+        if hit_node is not None and hit_node.index == hit_pages - 1:
+            start = hit_pages
+    # the reachable prefix: every page cached in every full-attention group
+    i = start
+    page_present = ix.page_present
+    while i < n and page_present(hashes[i]):
+        i += 1
+    state_maps = ix.slots.cached_block_hash_to_block
+    first = state_maps.get(ix.state_gids[0]) or {}
+    if i < n:  # past a gap nothing is reachable: drop the request's own free pages and free states
+        lost = [b for t in tables for b in t[i:] if b.block_hash is not None and not b.ref_cnt and not b.is_null]
+        if lost:
+            ix.pages.drop_cached(lost)
+            ix.stats.tail_pages += len(lost)
+        for key in hashes[i:]:
+            if key in first and key not in nodes:
+                ix._drop(ix.slots, ix.state_gids, key)
+    n = i
+    # the deepest checkpoint at or after `start` (states are published beyond a hit only)
+    state_present = ix.state_present
+    d = n - 1
+    while d >= start and not (hashes[d] in first and state_present(hashes[d])):
+        d -= 1
+    depth = parent.depth + 1 if parent is not None else 1
+    gap = arrival - parent.arrival if parent is not None else None
+    cls = unit_class(depth, gap, prompt_tokens)
+    prev: Node | None = None
+    last_unit: Unit | None = None
+    last_index = -1
+    if start:
+        prev = nodes[hashes[start - 1]]
+        node: Node | None = prev
+        while node is not None:  # the hit's units were used: touch them (their last use is now)
+            u = node.unit
+            if u is not None:
+                if last_unit is None:
+                    last_unit, last_index = u, node.index
+                _touch(u, retain, now, policy)
+            node = node.parent
+    for i in range(start, d + 1):
+        key = hashes[i]
+        node = nodes.get(key)
+        if node is None:
+            node = nodes[key] = Node(key, prev, i)
+            if prev is not None:
+                prev.add_child(node, policy)
+        if key in first and state_present(key):
+            unit = node.unit
+            if unit is None:
+                unit = node.unit = Unit(key, node, cls, retain, now, i - last_index, depth, arrival)
+            else:
+                _touch(unit, retain, now, policy)
+            last_unit, last_index = unit, i
+        elif key in first and ix._drop(ix.slots, ix.state_gids, key):  # part of a state: it never hits
+            ix.stats.partial_states += 1
+        prev = node
+    if last_unit is not None:
+        last_unit.prompt_end = True
+    # the tail: pages past the deepest checkpoint (another chain's nodes stay)
+    blocks: list[KVCacheBlock] = []
+    for i in range(d + 1, n):
+        key = hashes[i]
+        node = nodes.get(key)
+        if node is not None:
+            prev = node
+            continue
+        if key in first and ix._drop(ix.slots, ix.state_gids, key):
+            ix.stats.partial_states += 1
+        ix._free_copies(ix.pages, ix.page_gids, key, blocks)
+    if blocks:
+        ix.pages.drop_cached(blocks)
+        ix.stats.tail_pages += len(blocks)
+    if prev is not None:
+        ix.stats.tail_pages += ix.prune(prev)
+
+
+def _touch(unit: Unit, retain: Retention, now: float, policy: object) -> None:
+    unit.retain = unit.retain.stronger(retain)
+    unit.last_use = now
+    if unit.leaf:
+        policy.touch(unit)  # type: ignore[attr-defined]

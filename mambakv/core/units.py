@@ -1,0 +1,260 @@
+"""Eviction units of the decoupled layout: a Mamba state checkpoint and its pages.
+
+A hybrid hit at position ``p`` needs every attention page up to ``p`` *and* a state at ``p``
+(CACHE.md), so a cached page past a chain's deepest checkpoint can never be hit, nor can a state
+whose pages are gone. The unit index keeps the cached prefix as a tree of pages keyed by their
+chained hash (the page grid: one node per page) and evicts it in units (SGLang's tombstone-leaf
+deletion; Marconi, MLSys 2025)::
+
+    chain   p0 - p1 - p2 - p3 - p4 - p5 - p6          * = a state (checkpoint) at that page
+                       *              *
+    units   U(p2) = {states at p2, pages p0..p2}      interior: p3..p6 hang below it
+            U(p5) = {states at p5, pages p3..p5}      a leaf: the policy may evict it
+    tail    p6: past the deepest checkpoint, dropped when the request that wrote it is freed
+
+Evicting leaf ``U(p5)`` drops its states, then its pages from ``p5`` up while a page has no other
+child, no state and no holder; ``U(p2)`` becomes a leaf. These are invariants whatever the policy
+(``check_invariants`` in :mod:`mambakv.core.unit_checks`): every free cached page has a checkpoint
+at or below it, every free cached state has all its pages, unless a running request holds the
+page (its chain is registered when it is freed). An eviction the unit index did not choose (a
+pop of the LRU head when no unit could be evicted, a superblock conversion) is settled by
+``settle``: what it made unreachable goes too. The policy (:mod:`mambakv.core.eviction`) picks
+the victims; the index only keeps the tree, the leaves and the ghosts of evicted units.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence, Set
+
+from mambakv.core.arena_pool import ArenaPool
+from mambakv.core.block import KVCacheBlock
+from mambakv.core.eviction import EvictionPolicy
+from mambakv.core.prefix_map import MapEntry
+from mambakv.core.retention import Retention
+from mambakv.core.unit_types import Node, Unit, UnitStats, unit_class
+
+__all__ = ["Node", "Unit", "UnitIndex", "UnitStats", "unit_class"]
+
+
+def _held(maps: dict[int, dict[bytes, MapEntry]], gids: tuple[int, ...], key: bytes) -> bool:
+    """A copy cached under `key` in one of `gids` is in a table."""
+    for gid in gids:
+        m = maps.get(gid)
+        e = m.get(key) if m is not None else None
+        if e is None:
+            continue
+        if isinstance(e, dict):
+            if any(b.ref_cnt for b in e.values()):
+                return True
+        elif e.ref_cnt:
+            return True
+    return False
+
+
+class UnitIndex:
+    """The page tree, its units and the policy that ranks the leaves.
+
+    Args:
+        pages / slots: the arena's page and state-slot pools.
+        page_gids: the full-attention group ids (their pages make a unit's chain).
+        state_gids: the Mamba group ids (a checkpoint has a state in each).
+        page_tokens: tokens per page.
+        page_bytes / slot_bytes: bytes a page / a state slot occupies (a slot: its superblock).
+        policy: an :class:`~mambakv.core.eviction.EvictionPolicy`.
+    """
+
+    def __init__(self, pages: ArenaPool, slots: ArenaPool, page_gids: Sequence[int], state_gids: Sequence[int], *,
+                 page_tokens: int, page_bytes: int, slot_bytes: int, policy: EvictionPolicy) -> None:
+        self.pages, self.slots = pages, slots
+        self.page_gids, self.state_gids = tuple(page_gids), tuple(state_gids)
+        self.page_tokens, self.page_bytes, self.slot_bytes = page_tokens, page_bytes, slot_bytes
+        self.policy = policy
+        self.nodes: dict[bytes, Node] = {}
+        self.stats = UnitStats()
+        policy.configure(page_tokens=page_tokens, page_bytes=page_bytes, slot_bytes=slot_bytes,
+                         num_states=len(self.state_gids), stats=self.stats)
+        #: seconds: the engine's clock, set by the coordinator from each call's ``now``
+        self.now = 0.0
+
+    # ------------------------------------------------------------------ lookups
+    # Plain loops over the groups' maps, no lists: they run once or more per page of every chain.
+    def page_present(self, key: bytes) -> bool:
+        maps = self.pages.cached_block_hash_to_block
+        for gid in self.page_gids:
+            m = maps.get(gid)
+            if m is None or key not in m:
+                return False
+        return True
+
+    def page_held(self, key: bytes) -> bool:
+        return _held(self.pages.cached_block_hash_to_block, self.page_gids, key)
+
+    def state_present(self, key: bytes) -> bool:
+        maps = self.slots.cached_block_hash_to_block
+        for gid in self.state_gids:
+            m = maps.get(gid)
+            if m is None or key not in m:
+                return False
+        return True
+
+    def state_any(self, key: bytes) -> bool:
+        maps = self.slots.cached_block_hash_to_block
+        for gid in self.state_gids:
+            m = maps.get(gid)
+            if m is not None and key in m:
+                return True
+        return False
+
+    def state_free(self, key: bytes) -> bool:
+        """No copy of the state at `key` is in a table."""
+        return not _held(self.slots.cached_block_hash_to_block, self.state_gids, key)
+
+    def _free_copies(self, pool: ArenaPool, gids: tuple[int, ...], key: bytes, out: list[KVCacheBlock]) -> None:
+        maps = pool.cached_block_hash_to_block
+        for gid in gids:
+            m = maps.get(gid)
+            e = m.get(key) if m is not None else None
+            if e is None:
+                continue
+            if isinstance(e, dict):
+                out.extend(b for b in e.values() if not b.ref_cnt)
+            elif not e.ref_cnt:
+                out.append(e)
+
+    def _drop(self, pool: ArenaPool, gids: tuple[int, ...], key: bytes) -> int:
+        """Drop every free copy cached under `key` in `gids`; the blocks freed."""
+        blocks: list[KVCacheBlock] = []
+        self._free_copies(pool, gids, key, blocks)
+        if blocks:
+            pool.drop_cached(blocks)
+        return len(blocks)
+
+    # ------------------------------------------------------------------ admission / free
+    def admit(self, hashes: Sequence[bytes], num_prompt_pages: int, hit_pages: int, now: float) -> Unit | None:
+        """A request's first allocation: its leaf units on the chain were reused (their life ends
+        in a reuse), evicted units on its chain are ghost hits. Returns the deepest unit that
+        ended an earlier prompt on the chain (live or ghost), the request's conversation parent."""
+        self.now = now
+        policy, nodes, page = self.policy, self.nodes, self.page_tokens
+        chain = hashes[:min(num_prompt_pages, len(hashes))]
+        parent: Unit | None = None
+        parent_index = -1
+        node = nodes.get(chain[hit_pages - 1]) if 0 < hit_pages <= len(chain) else None
+        while node is not None:  # the hit's units: a leaf among them was reused
+            unit = node.unit
+            if unit is not None:
+                if unit.leaf:
+                    policy.on_reuse(unit, now, hit_pages * page)
+                if unit.prompt_end and parent is None:
+                    parent, parent_index = unit, node.index
+            node = node.parent
+        for i, unit in policy.ghost.pop_present(chain):  # evicted units on the chain: ghost hits
+            policy.on_ghost_hit(unit, now, (i + 1 - hit_pages) * page)
+            if unit.prompt_end and i > parent_index:
+                parent, parent_index = unit, i
+        return parent
+
+    def register(self, hashes: Sequence[bytes], tables: Sequence[Sequence[KVCacheBlock]], *, retain: Retention,
+                 arrival: float, prompt_tokens: int, parent: Unit | None, now: float, hit_pages: int = 0) -> None:
+        """A request was freed: add its chain (`hashes`, its full-attention `tables`) to the tree,
+        make units of the checkpoints on it, drop its pages past the deepest one
+        (:func:`mambakv.core.unit_register.register_chain`; `hit_pages`: its prefix hit, a chain
+        the tree already holds)."""
+        from mambakv.core.unit_register import register_chain
+        self.now = now
+        register_chain(self, hashes, tables, retain=retain, arrival=arrival, prompt_tokens=prompt_tokens,
+                       parent=parent, now=now, hit_pages=hit_pages)
+
+    # ------------------------------------------------------------------ eviction
+    def evict_unit(self, unit: Unit, *, chosen: bool = True) -> tuple[int, int]:
+        """Drop `unit`'s states and the pages only it needed; it becomes a ghost.
+        Returns ``(pages, slots)`` freed. `chosen`: the policy picked it (else a cascade)."""
+        node = unit.node
+        assert node is not None and node.unit is unit
+        slots = self._drop(self.slots, self.state_gids, unit.key)
+        node.unit = None
+        self.policy.on_evict(unit, self.now, chosen=chosen)
+        pages = self.prune(node)
+        return pages, slots
+
+    def prune(self, node: Node) -> int:
+        """Drop pages from `node` up while a page has no child, no state and no holder; a unit
+        left without children becomes a leaf. Returns the pages freed."""
+        nodes, policy, pages, gids = self.nodes, self.policy, self.pages, self.page_gids
+        maps = pages.cached_block_hash_to_block
+        blocks: list[KVCacheBlock] = []
+        n: Node | None = node
+        single = maps.get(gids[0]) if len(gids) == 1 else None
+        while n is not None and not n.children and n.unit is None:
+            e = single.get(n.key) if single is not None else None
+            if e is not None and not isinstance(e, dict):  # one copy in the one group: the common case
+                if e.ref_cnt:
+                    break
+                blocks.append(e)
+            elif _held(maps, gids, n.key):
+                break
+            else:
+                self._free_copies(pages, gids, n.key, blocks)
+            del nodes[n.key]
+            parent = n.parent
+            if parent is not None:
+                del parent.children[n.key]
+            n = parent
+        else:
+            if n is not None and n.unit is not None and not n.children and not n.unit.leaf:
+                policy.add_leaf(n.unit)
+        if blocks:
+            pages.drop_cached(blocks)
+        return len(blocks)
+
+    def settle(self) -> None:
+        """Follow up the evictions the index did not choose (recorded by the pools): a lost page
+        takes its subtree, a lost state its unit."""
+        pages, slots = self.pages.prefix_map, self.slots.prefix_map
+        while pages.lost or slots.lost:  # type: ignore[attr-defined]
+            lost_pages, pages.lost = pages.lost, []  # type: ignore[attr-defined]
+            lost_states, slots.lost = slots.lost, []  # type: ignore[attr-defined]
+            for key in lost_pages:
+                node = self.nodes.get(key)
+                if node is not None and not self.page_present(key):
+                    self._break(node)
+            for key in lost_states:
+                node = self.nodes.get(key)
+                if node is not None and node.unit is not None:
+                    if not self.state_present(key):
+                        self.stats.cascades += 1
+                        self.evict_unit(node.unit, chosen=False)
+                elif not self.state_present(key) and self._drop(self.slots, self.state_gids, key):
+                    self.stats.partial_states += 1
+
+    def _break(self, node: Node) -> None:
+        """`node`'s page is gone: nothing below it can be hit."""
+        self.stats.cascades += 1
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if n.unit is not None:
+                self._drop(self.slots, self.state_gids, n.key)
+                unit, n.unit = n.unit, None
+                self.policy.on_evict(unit, self.now, chosen=False)
+            self._drop(self.pages, self.page_gids, n.key)
+            del self.nodes[n.key]
+        parent = node.parent
+        if parent is not None:
+            parent.remove_child(node, self.policy)
+            self.prune(parent)
+
+    def clear(self) -> None:
+        """Forget every node (the prefix cache was reset); ghosts and learned tables stay."""
+        for node in self.nodes.values():
+            if node.unit is not None:
+                self.policy.on_evict(node.unit, self.now, chosen=False)
+        self.nodes.clear()
+        self.pages.prefix_map.lost.clear()  # type: ignore[attr-defined]
+        self.slots.prefix_map.lost.clear()  # type: ignore[attr-defined]
+
+    def check_invariants(self, live_keys: Set[bytes] = frozenset()) -> None:
+        """:func:`mambakv.core.unit_checks.check_units` (`live_keys`: the running chains' hashes)."""
+        from mambakv.core.unit_checks import check_units
+        check_units(self, live_keys)
