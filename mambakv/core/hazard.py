@@ -33,7 +33,7 @@ import json
 import math
 import numbers
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from mambakv.core.errors import InvalidSpecError, as_count
@@ -148,16 +148,24 @@ class HazardTable:
         self._ends[c][b] += 1
         self._nl += 1
 
-    def refresh(self, open_lives: Iterable[tuple[int, float]] = ()) -> None:
+    def refresh(self, open_lives: Iterable[tuple[int, float]] = (), *, checked: bool = True) -> None:
         """Recompute every probability (module docstring) from the counts and `open_lives`, the
         ``(cls, current age in seconds)`` of lives still going on. Raises InvalidSpecError (nothing
-        changed): an open life with a bad class or age."""
+        changed): an open life with a bad class or age. ``checked=False``: the caller guarantees
+        int classes in range and finite ages >= 0 (the eviction policy's own lives; no per-life
+        validation)."""
         nc, nb, w, m = self._nc, self._nb, self._w, self._m
         reached = [list(row) for row in self._ends]  # ends + open lives per bin, suffix-summed below
-        for life in list(open_lives):
-            if not isinstance(life, tuple) or len(life) != 2:
-                raise InvalidSpecError(f"an open life must be a (cls, age) tuple, got {life!r}")
-            reached[self._cls(life[0])][self.age_bin(life[1])] += 1
+        if checked:
+            for life in list(open_lives):
+                if not isinstance(life, tuple) or len(life) != 2:
+                    raise InvalidSpecError(f"an open life must be a (cls, age) tuple, got {life!r}")
+                reached[self._cls(life[0])][self.age_bin(life[1])] += 1
+        else:
+            bs, last = self._bs, nb - 1
+            for c, age in open_lives:
+                b = int(age // bs)
+                reached[c][b if b < last else last] += 1
         s = [[0] * nb for _ in range(nc)]
         r = [[0] * nb for _ in range(nc)]
         for c in range(nc):
@@ -178,6 +186,12 @@ class HazardTable:
         """P(reused within W bins | class `cls` survived to `age` seconds), as of the last refresh
         (0.0 before it). Raises InvalidSpecError: bad cls/age."""
         return self._p[self._cls(cls)][self.age_bin(age)]
+
+    def probability_row(self, cls: int) -> Sequence[float]:
+        """Class `cls`'s probabilities by age bin as of the last refresh (the table's own list:
+        read it, do not change it; all 0.0 before a refresh). For a caller that bins ages itself
+        (``min(int(age // bin_seconds), num_bins - 1)``) on a hot path."""
+        return self._p[self._cls(cls)]
 
     def to_json(self) -> dict[str, Any]:
         """The counts and parameters as a JSON-ready dict (probabilities are recomputed on load)."""

@@ -39,9 +39,14 @@ def register_chain(ix: UnitIndex, hashes: Sequence[bytes], tables: Sequence[Sequ
             start = hit_pages
     # the reachable prefix: every page cached in every full-attention group
     i = start
-    page_present = ix.page_present
-    while i < n and page_present(hashes[i]):
-        i += 1
+    if len(ix.page_gids) == 1:  # one full-attention group: one map
+        pm = ix.pages.cached_block_hash_to_block.get(ix.page_gids[0]) or {}
+        while i < n and hashes[i] in pm:
+            i += 1
+    else:
+        page_present = ix.page_present
+        while i < n and page_present(hashes[i]):
+            i += 1
     state_maps = ix.slots.cached_block_hash_to_block
     first = state_maps.get(ix.state_gids[0]) or {}
     if i < n:  # past a gap nothing is reachable: drop the request's own free pages and free states
@@ -80,7 +85,10 @@ def register_chain(ix: UnitIndex, hashes: Sequence[bytes], tables: Sequence[Sequ
         if node is None:
             node = nodes[key] = Node(key, prev, i)
             if prev is not None:
-                prev.add_child(node, policy)
+                if prev.unit is not None and not prev.children:
+                    prev.add_child(node, policy)  # a leaf unit gets a child: out of the leaf queues
+                else:
+                    prev.children[key] = node
         if key in first and state_present(key):
             unit = node.unit
             if unit is None:

@@ -73,7 +73,7 @@ class Unit:
     (evicted, kept for learning) after."""
 
     __slots__ = ("key", "node", "cls", "retain", "last_use", "seg_pages", "depth", "arrival", "prompt_end",
-                 "leaf", "tier")
+                 "leaf", "tier", "queue_seq")
 
     def __init__(self, key: bytes, node: Node | None, cls: int, retain: Retention, last_use: float,
                  seg_pages: int, depth: int, arrival: float) -> None:
@@ -88,6 +88,7 @@ class Unit:
         self.prompt_end = False  # the deepest checkpoint of a request's prompt
         self.leaf = False  # in the policy's leaf queues
         self.tier = retain.tier  # the queue tier it is in (a ttl hint decays)
+        self.queue_seq = 0  # its live entry in a LeafQueue (0: in none)
 
     def __repr__(self) -> str:
         return f"Unit(index={self.node.index if self.node else None}, cls={self.cls}, last_use={self.last_use})"

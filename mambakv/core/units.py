@@ -202,6 +202,7 @@ class UnitIndex:
             n = parent
         else:
             if n is not None and n.unit is not None and not n.children and not n.unit.leaf:
+                n.unit.last_use = self.now  # its life as a leaf starts now (ages are since then)
                 policy.add_leaf(n.unit)
         if blocks:
             pages.drop_cached(blocks)
