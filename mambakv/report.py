@@ -22,7 +22,10 @@ and peak state bytes, and how many superblocks changed pool), whether every bloc
 finished / rejected (a prompt of max_model_len tokens or more is rejected before the run), the
 prefix hit rate (cached / prompt tokens, each request counted at its first admission), for a
 trace the hit tokens by cause (shared first block / next turn / branch / repeat) and the tokens
-whose KV was cached where no Mamba state was (state missing), preemptions, evictions, state copies, scheduler steps, the simulated time of the step clock
+whose KV was cached where no Mamba state was (state missing), preemptions, evictions, state copies,
+for the decoupled layout the eviction units (a state and its pages) its policy evicted, those lost
+by cascade, tail pages dropped past a chain's deepest state, leaf units reused, and ghost hits
+(requests that passed an evicted unit, and the hit tokens it would have added), scheduler steps, the simulated time of the step clock
 (--step-ms + --ms-per-token x scheduled tokens per step), wall time and the time spent inside
 the library. --json prints the same numbers as one object."""
 
@@ -72,6 +75,12 @@ def format_report(d: dict[str, Any]) -> str:
         lines.append(f"replay {d['replay']} (skip {d['skip']:,}): hit tokens by cause: {causes}; "
                      f"state missing where attention hit: {d['state_missing_tokens']:,} tokens")
     lines.append(f"preemptions {d['preemptions']:,}; evictions {d['evictions']:,}; state copies {d['state_copies']:,}")
+    ev = d.get("eviction")
+    if ev is not None:
+        warm = " (warm-started hazard table)" if ev.get("warm_start") else ""
+        lines.append(f"eviction {ev['policy']}{warm}: {ev['evictions']:,} units evicted, {ev['cascade_evictions']:,} by "
+                     f"cascade; {ev['tail_pages']:,} tail pages dropped; {ev['reuses']:,} leaf reuses; ghost hits "
+                     f"{ev['ghost_hits']:,} ({ev['ghost_hit_tokens']:,} tokens they would have added)")
     lines.append(f"steps {d['steps']:,}; simulated {d['sim_clock_ms'] / 1e3:,.2f} s; wall {d['wall_s']:.2f} s, "
                  f"in the library {d['library_s'] * 1e3:,.1f} ms ({d['library_us_per_step']:.1f} us/step)")
     return "\n".join(lines)
