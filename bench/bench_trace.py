@@ -56,3 +56,27 @@ def test_trace_3000_conversation_by_layout(benchmark, layout):
         assert d["hit_rate"] >= 0.080 and d["arena"]["superblocks"] == 4551
     benchmark.extra_info.update(hit_rate=d["hit_rate"], library_s=d["library_s"], steps=d["steps"],
                                 library_us_per_step=d["library_us_per_step"], py_ref_ms=py_ref_ms())
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="trace absent: ../shared/traces/conversation_trace.jsonl")
+@pytest.mark.parametrize("eviction", ["reuse", "lru"])
+def test_trace_3000_conversation_by_eviction(benchmark, eviction):
+    """Issue 15's figure: the decoupled layout's eviction units on the same 3000 requests
+    (conversation replay, 60 GiB, the trace clock as ``now``). Targets: reuse-aware (learned
+    online) hit rate >= 0.100; its ``library_s`` within 1.5x of ``lru``'s (compare the rows'
+    extra_info)."""
+    results = []
+
+    def run():
+        results.append(run_trace(TRACE, limit=NUM_REQUESTS, memory_gib=60.0, one_at_a_time=True,
+                                 replay="conversation", layout="decoupled", eviction=eviction))
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    d = results[-1].to_dict()
+    assert d["blocks_returned"] and d["finished"] == NUM_REQUESTS
+    assert d["eviction"]["policy"] == eviction and d["eviction"]["cascade_evictions"] == 0
+    if eviction == "reuse":
+        assert d["hit_rate"] >= 0.100
+    benchmark.extra_info.update(hit_rate=d["hit_rate"], library_s=d["library_s"], steps=d["steps"],
+                                library_us_per_step=d["library_us_per_step"], unit_evictions=d["eviction"]["evictions"],
+                                ghost_hits=d["eviction"]["ghost_hits"], py_ref_ms=py_ref_ms())
