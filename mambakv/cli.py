@@ -31,10 +31,13 @@ from mambakv.cli_args import (
     PROBABILITY,
     Parser,
     add_eviction_arguments,
+    add_oracle_argument,
+    check_eviction_arguments,
     progress,
+    save_hazard_table,
 )
 from mambakv.cli_fleet import FLEET_INDEXES, FLEET_LOAD_BOUND, FLEET_ROUTERS, add_fleet_arguments, run_fleet_command
-from mambakv.core.errors import InvalidSpecError, MambaKVError
+from mambakv.core.errors import MambaKVError
 from mambakv.models.kv_config import DEFAULT_PAGE_TOKENS, LAYOUTS
 from mambakv.plot import PLOT_SUFFIXES, check_plot_path, merge_identical_groups, plot_series, write_plot
 from mambakv.report import GIB, MIB, REPORT_HELP, format_report
@@ -129,9 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replay", choices=("strict", "conversation"), default="strict",
                    help="strict (default): equal hash ids = equal tokens, outputs unique; conversation: as strict, "
                         "and a next turn that is long enough begins with its parent's prompt and generated tokens")
-    p.add_argument("--oracle-hints", action="store_true",
-                   help="ORACLE: set each request's retention hint from the trace's future (high when a later "
-                        "request shares more than the first block with it, else low); an upper bound, not a policy")
+    add_oracle_argument(p)
     p = sub.add_parser("chat", help="multi-turn conversations (each turn extends the previous one)",
                        epilog=epilog, formatter_class=raw)
     _add_common(p, in_flight=0, spec_tokens=0)
@@ -204,8 +205,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                   mamba_policy=_mamba_policy(args), layout=args.layout, page_tokens=args.page_tokens,
                   placement=args.placement.split(",") if args.placement else None,
                   eviction=args.eviction, hazard_table=args.hazard_table)
-    if args.layout == "unified" and (args.eviction == "reuse" or args.hazard_table or args.save_hazard_table):
-        raise InvalidSpecError("--eviction reuse and the hazard tables need --layout decoupled")
+    check_eviction_arguments(args)
     bar = None
     specs: list[RequestSpec] | None = None
     result: SimResult
@@ -246,11 +246,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         if bar is not None:
             bar.close()
     if args.save_hazard_table:
-        hazard = getattr(result.coord.units.policy, "hazard", None) if result.coord.units is not None else None
-        if hazard is None:
-            raise InvalidSpecError("--save-hazard-table needs the reuse eviction policy")
-        hazard.save(args.save_hazard_table)
-        print(f"wrote {args.save_hazard_table}", file=sys.stderr)
+        save_hazard_table(result.coord, args.save_hazard_table)
     d = result.to_dict()
     if d["rejected"]:
         warn(f"{d['rejected']:,} of {d['requests']:,} requests rejected: a prompt of max_model_len "

@@ -72,3 +72,38 @@ def add_eviction_arguments(p: argparse.ArgumentParser) -> None:
                    help="warm-start the reuse policy from a table written by --save-hazard-table")
     p.add_argument("--save-hazard-table", metavar="JSON", default=None,
                    help="write the reuse policy's learned hazard table after the run")
+
+
+def save_hazard_table(coord: Any, path: str) -> None:
+    """``--save-hazard-table``: write the reuse policy's learned table to `path` (``wrote PATH``
+    on stderr). Raises InvalidSpecError: the run had no reuse policy (lru, unified)."""
+    from mambakv.core.errors import InvalidSpecError
+
+    hazard = getattr(coord.units.policy, "hazard", None) if coord.units is not None else None
+    if hazard is None:
+        raise InvalidSpecError("--save-hazard-table needs the reuse eviction policy (--layout decoupled)")
+    hazard.save(path)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def add_oracle_argument(p: argparse.ArgumentParser) -> None:
+    """``--oracle-hints`` (trace)."""
+    p.add_argument("--oracle-hints", action="store_true",
+                   help="ORACLE: set each request's retention hint from the trace's future (high when a later "
+                        "request shares more than the first block with it, else low); an upper bound, not a policy")
+
+
+def check_eviction_arguments(args: argparse.Namespace) -> None:
+    """Before the run. Raises InvalidSpecError: reuse eviction or a hazard table with the unified
+    layout, a hazard table with lru, a --save-hazard-table path whose folder does not exist."""
+    from pathlib import Path
+
+    from mambakv.core.errors import InvalidSpecError
+
+    tables = args.hazard_table or args.save_hazard_table
+    if args.layout == "unified" and (args.eviction == "reuse" or tables):
+        raise InvalidSpecError("--eviction reuse and the hazard tables need --layout decoupled")
+    if args.eviction == "lru" and tables:
+        raise InvalidSpecError("the hazard tables need --eviction reuse")
+    if args.save_hazard_table and not Path(args.save_hazard_table).resolve().parent.is_dir():
+        raise InvalidSpecError(f"--save-hazard-table {args.save_hazard_table}: no such folder")

@@ -389,3 +389,49 @@ def test_write_plot_of_a_bare_library_run(tmp_path):
     r = run_workload(build_coordinator("jamba-v0.1", 4.0), long_prefill(3000, output_len=2))
     write_plot(r, str(tmp_path / "bare.svg"))
     assert (tmp_path / "bare.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_eviction_flags(tmp_path, capsys):
+    """--eviction, --save-hazard-table / --hazard-table, --oracle-hints (issue 15) on the two-request trace."""
+    p = write_trace(tmp_path / "t.jsonl", ROWS)
+    table = tmp_path / "h.json"
+    assert main(["trace", str(p), "--one-at-a-time", "--json", "--quiet", "--save-hazard-table", str(table)]) == 0
+    out = capsys.readouterr()
+    d = json.loads(out.out)
+    assert d["eviction"]["policy"] == "reuse" and d["eviction"]["warm_start"] is False
+    assert f"wrote {table}" in out.err
+    # B's admission reuses A's leaf unit (the checkpoint at 1984, A's prompt end): one reuse, no eviction
+    assert d["eviction"]["reuses"] == 1 and d["eviction"]["evictions"] == 0
+    saved = json.loads(table.read_text())
+    assert saved["format"] == "mambakv-hazard-table" and sum(map(sum, saved["reuses"])) == 1
+    assert main(["trace", str(p), "--one-at-a-time", "--json", "--quiet", "--hazard-table", str(table),
+                 "--oracle-hints"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["eviction"]["warm_start"] is True and d["oracle_hints"] is True and d["hazard_warm_start"] is True
+    assert d["cached_tokens"] == 1984  # hints and a warm table move evictions, not this hit (nothing is evicted)
+    assert main(["trace", str(p), "--one-at-a-time", "--json", "--quiet", "--eviction", "lru"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["eviction"]["policy"] == "lru" and "hazard_table" not in d["eviction"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--layout", "unified", "--eviction", "reuse"],
+    ["--layout", "unified", "--save-hazard-table", "x.json"],
+    ["--eviction", "lru", "--save-hazard-table", "x.json"],
+    ["--eviction", "lru", "--hazard-table", "x.json"],
+    ["--eviction", "fifo"],
+])
+def test_eviction_bad_flags_exit_2(tmp_path, capsys, argv):
+    p = write_trace(tmp_path / "t.jsonl", ROWS)
+    if "--hazard-table" in argv:
+        (tmp_path / "x.json").write_text("{}")
+    argv = [a if a != "x.json" else str(tmp_path / "x.json") for a in argv]
+    assert main(["trace", str(p), "--one-at-a-time", "--quiet", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mambakv: error:") and err.count("\n") == 1, err
+
+
+def test_save_hazard_table_folder_checked_before_the_run(tmp_path, capsys):
+    p = write_trace(tmp_path / "t.jsonl", ROWS)
+    assert main(["trace", str(p), "--quiet", "--save-hazard-table", str(tmp_path / "no" / "h.json")]) == 2
+    assert "no such folder" in capsys.readouterr().err
