@@ -16,6 +16,7 @@ from mambakv.core.errors import (
     DoubleFreeError,
     HashBlockSizeMismatchError,
     InvalidBlockError,
+    InvalidClockError,
     InvalidCopyPlanError,
     InvalidDraftCountError,
     InvalidHashError,
@@ -66,7 +67,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AllBlocksCleared", "BlockNotFreeError", "BlockPool", "BlockRemoved", "BlockStored", "CopyBackend", "DoubleFreeError",
     "FreeBlockQueue", "FullAttentionManager", "FullAttentionSpec", "HashBlockSizeMismatchError",
-    "InvalidBlockError", "InvalidCopyPlanError", "InvalidDraftCountError", "InvalidHashError", "InvalidRequestError", "InvalidSpecError", "InvalidTokenCountError", "KVCacheBlock", "KVCacheBlocks",
+    "InvalidBlockError", "InvalidClockError", "InvalidCopyPlanError", "InvalidDraftCountError", "InvalidHashError", "InvalidRequestError", "InvalidSpecError", "InvalidTokenCountError", "KVCacheBlock", "KVCacheBlocks",
     "DecodeCheckpoints", "KVCacheConfig", "KVCacheCoordinator", "KVCacheGroupSpec", "KVCacheSpec", "MambaCacheMode",
     "MambaKVError",
     "MambaManager", "MambaSpec", "MambaStatePool", "ModelConfigError", "OutOfBlocksError", "PrefixCacheStats",

@@ -31,6 +31,7 @@ from mambakv.core.errors import (
     InvalidSpecError,
     InvalidTokenCountError,
     as_count,
+    as_seconds,
 )
 from mambakv.core.eviction import EvictionPolicy
 from mambakv.core.request import Request
@@ -163,7 +164,8 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
         raises InvalidDraftCountError). `num_lookahead_tokens` reserves attention slots for
         the drafter's next proposals (never Mamba blocks); it is capped at ``max_model_len``.
         `now` (keyword, seconds on any monotonic clock of the engine's): the time of the step,
-        which the decoupled layout's eviction ages units by (None: the latest ``now`` given).
+        which the decoupled layout's eviction ages units by (None: the latest ``now`` given); it
+        is set once every check passed, even when the pool is short.
 
         Returns the newly allocated blocks per group (a shared empty result when no group got a
         block: do not mutate it), or None when the pool cannot supply them (hit blocks still in
@@ -172,6 +174,7 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
         Raises (nothing changed):
             InvalidTokenCountError: ``num_new_tokens <= 0``, a negative count, more than
                 ``max_model_len`` tokens, or ``num_draft_tokens`` not below ``num_new_tokens``.
+            InvalidClockError: `now` is not a finite number.
             InvalidDraftCountError: more drafts than a Mamba group's scratch blocks (raised by
                 that group).
             StaleCacheHitError: a hit block was evicted and reused since ``get_computed_blocks``.
@@ -187,11 +190,8 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
             rid = request.request_id
         except AttributeError:
             raise InvalidRequestError(f"allocate needs a Request, got {type(request).__name__}") from None
-        if now is not None:
-            if type(now) is float and now - now == 0.0:  # finite (inf - inf and nan - nan are nan)
-                self.now = now
-            else:
-                self.set_now(now)
+        if now is not None and not (type(now) is float and now - now == 0.0):  # finite floats pass
+            now = as_seconds(now)
         live = self._live.get(rid)
         if (live is None or live.request is not request or num_new_computed_tokens
                 or request.num_computed_tokens > live.num_scheduled):  # all but a running request's step
@@ -213,6 +213,8 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
             num_drafts = num_draft_tokens
         if num_tokens + num_lookahead_tokens > self.max_model_len:  # lookahead is capped, never refused
             num_lookahead_tokens = self.max_model_len - num_tokens
+        if now is not None:  # every check passed: the clock moves
+            self.now = now
         # The quiet step: no group needs a block, publishes or records anything.
         if (live is not None and num_drafts == 0 and num_tokens <= live.quiet_tokens
                 and num_tokens + num_lookahead_tokens <= live.num_covered):

@@ -4,9 +4,13 @@ calls when a step's outputs come back (``retire``, ``accept_drafts``) and when a
 
 from __future__ import annotations
 
-import math
-
-from mambakv.core.errors import InvalidDraftCountError, InvalidRequestError, InvalidTokenCountError, as_count
+from mambakv.core.errors import (
+    InvalidDraftCountError,
+    InvalidRequestError,
+    InvalidTokenCountError,
+    as_count,
+    as_seconds,
+)
 from mambakv.core.request import Request
 from mambakv.core.units import UnitIndex
 from mambakv.groups import MambaManager, SingleTypeKVCacheManager
@@ -104,11 +108,9 @@ class CoordinatorResults:
         """Set the engine's clock (seconds; ``allocate`` and ``free`` take it as ``now=``).
 
         Raises:
-            InvalidTokenCountError: not a finite number.
+            InvalidClockError: not a finite number.
         """
-        if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
-            raise InvalidTokenCountError(f"now must be a finite number of seconds, got {now!r}")
-        self.now = float(now)
+        self.now = as_seconds(now)
         if self.units is not None:
             self.units.now = self.now
 
@@ -121,10 +123,10 @@ class CoordinatorResults:
         Raises:
             DoubleFreeError: a block of its tables is already free (an earlier misuse); nothing
                 changed (every group is checked before any is freed).
-            InvalidTokenCountError: `now` is not a finite number; nothing changed.
+            InvalidClockError: `now` is not a finite number; nothing changed.
         """
         if now is not None:
-            self.set_now(now)
+            now = as_seconds(now)
         if request_id not in self._live and not any(request_id in m.req_to_blocks for m in self.managers):
             if type(request_id) is not str:
                 raise InvalidRequestError(f"request ids are strs, got {type(request_id).__name__} {request_id!r}")
@@ -132,6 +134,8 @@ class CoordinatorResults:
             return
         for m in self.policies:
             m.check_free(request_id)
+        if now is not None:  # every check passed: the clock moves
+            self.set_now(now)
         units = self.units
         tables = [list(m.req_to_blocks.get(request_id, ())) for m in self._unit_tables] if units is not None else None
         for m in self.policies:

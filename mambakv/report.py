@@ -75,8 +75,8 @@ def format_report(d: dict[str, Any]) -> str:
         lines.append(f"replay {d['replay']} (skip {d['skip']:,}): hit tokens by cause: {causes}; "
                      f"state missing where attention hit: {d['state_missing_tokens']:,} tokens")
     lines.append(f"preemptions {d['preemptions']:,}; evictions {d['evictions']:,}; state copies {d['state_copies']:,}")
-    ev = d.get("eviction")
-    if ev is not None:
+    ev = d.get("eviction")  # the decoupled layout's eviction units (absent unified)
+    if isinstance(ev, dict):
         warm = " (warm-started hazard table)" if ev.get("warm_start") else ""
         lines.append(f"eviction {ev['policy']}{warm}: {ev['evictions']:,} units evicted, {ev['cascade_evictions']:,} by "
                      f"cascade; {ev['tail_pages']:,} tail pages dropped; {ev['reuses']:,} leaf reuses; ghost hits "

@@ -8,6 +8,8 @@ that ``except ValueError`` style handlers keep working.
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 
 
@@ -74,6 +76,29 @@ class InvalidHashError(MambaKVError, TypeError):
 class InvalidRequestError(MambaKVError, ValueError):
     """A request is malformed (its id is not a str, a bad ``max_tokens``), or its id belongs
     to another live request."""
+
+
+class InvalidClockError(MambaKVError, ValueError):
+    """An engine clock value (``now=``, seconds) that is not a finite real number."""
+
+
+def as_seconds(value: object, name: str = "now") -> float:
+    """`value` as a finite float (ints, floats, numpy numbers, any ``numbers.Real``; not bools).
+
+    Raises:
+        InvalidClockError: anything else, including an int too large for a float.
+    """
+    if type(value) is float and value - value == 0.0:  # the common case: a finite float
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidClockError(f"{name} must be a finite number of seconds, got {value!r}")
+    try:
+        seconds = float(value)
+    except (OverflowError, ValueError):
+        raise InvalidClockError(f"{name} must be a finite number of seconds, got {value!r}") from None
+    if not math.isfinite(seconds):
+        raise InvalidClockError(f"{name} must be a finite number of seconds, got {value!r}")
+    return seconds
 
 
 def as_count(value: object, name: str, minimum: int = 0,

@@ -72,7 +72,7 @@ class EvictionPolicy:
         unit.tier = unit.retain.tier
         self._queue(unit).push(unit)
         self.num_leaves += 1
-        if unit.tier == HIGH and unit.retain.ttl is not None:
+        if _has_ttl(unit):
             self._ttl_leaves.add(unit)
 
     def _queue(self, unit: Unit) -> LeafQueue:
@@ -91,8 +91,8 @@ class EvictionPolicy:
 
     def touch(self, unit: Unit) -> None:
         """A leaf was used (its ``last_use`` changed): re-placed in its queue, tier from its hint."""
-        if unit.tier != unit.retain.tier:
-            self.remove_leaf(unit)
+        if unit.tier != unit.retain.tier or (unit in self._ttl_leaves) != _has_ttl(unit):
+            self.remove_leaf(unit)  # its hint changed (a shared unit keeps the stronger one)
             self.add_leaf(unit)
         else:
             self.queues[self.queue_key(unit)].touch(unit)
@@ -172,7 +172,7 @@ class EvictionPolicy:
                 assert self.queue_key(u) == key, f"leaf {u!r} in queue {key}"
                 n += 1
         assert n == self.num_leaves
-        assert all(u.leaf and u.tier == HIGH for u in self._ttl_leaves)
+        assert all(u.leaf and _has_ttl(u) for u in self._ttl_leaves), "a ttl leaf without a high ttl hint"
         self.ghost.check_invariants()
 
 
@@ -247,6 +247,11 @@ class ReuseEviction(EvictionPolicy):
             if best is not None:
                 return best
         return None
+
+
+def _has_ttl(unit: Unit) -> bool:
+    """A high-tier leaf whose hint is a ttl (it decays to normal)."""
+    return unit.tier == HIGH and unit.retain.ttl is not None
 
 
 #: ``--eviction`` names

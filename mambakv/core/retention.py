@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from mambakv.core.errors import InvalidRequestError
+from mambakv.core.errors import InvalidClockError, InvalidRequestError, as_seconds
 
 __all__ = ["HIGH", "LOW", "NORMAL", "RETENTION_NAMES", "Retention", "parse_retention"]
 
@@ -61,12 +61,19 @@ def parse_retention(value: object) -> Retention:
     if value is None:
         return NORMAL_RETENTION
     if isinstance(value, Retention):
+        if value.tier not in (LOW, NORMAL, HIGH) or (value.ttl is not None and not (
+                isinstance(value.ttl, float) and math.isfinite(value.ttl) and value.ttl > 0)):
+            raise InvalidRequestError(f"a Retention needs a tier 0-2 and no ttl or a float ttl > 0, got {value!r}")
         return value
     if isinstance(value, str):
         tier = RETENTION_NAMES.get(value.lower())
         if tier is None:
             raise InvalidRequestError(f"retain must be low, normal, high or a ttl in seconds, got {value!r}")
         return Retention(tier)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    try:
+        ttl = as_seconds(value, "retain")
+    except InvalidClockError:
+        ttl = -1.0
+    if ttl <= 0:
         raise InvalidRequestError(f"retain must be low, normal, high or a ttl in seconds (> 0), got {value!r}")
-    return Retention(HIGH, float(value))
+    return Retention(HIGH, ttl)

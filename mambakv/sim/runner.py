@@ -118,7 +118,7 @@ def _layout_settings(coord: KVCacheCoordinator) -> dict[str, Any]:
     units = coord.units
     return {"layout": cfg.layout, "page_tokens": coord.managers[0].block_size if cfg.superblocks else None,
             "placement": list(coord.checkpoint_placement.names),
-            "eviction": units.policy.name if units is not None else "lru",
+            "eviction_policy": units.policy.name if units is not None else "lru",
             "hazard_warm_start": bool(getattr(units.policy, "warm_start", False)) if units is not None else False}
 
 

@@ -123,3 +123,22 @@ def test_oracle_retention_empty_and_no_links():
     assert oracle_retention([], []) == []
     specs = [_spec(0), _spec(1)]
     assert [s.retain for s in oracle_retention(specs, [Link(Relation.NONE, 0, None, None)] * 2)] == ["low", "low"]
+
+
+@pytest.mark.parametrize("bad", [Retention(7), Retention(2, -1.0), Retention(2, float("nan")), Retention(1, 0.0),
+                                 10**400])
+def test_bad_retention_objects_and_huge_ttls_are_refused(bad):
+    """Regression (fresh-user test): a Retention built by hand is validated like a value, and an
+    int too large for a float is an InvalidRequestError, not an OverflowError."""
+    with pytest.raises(InvalidRequestError):
+        parse_retention(bad)
+    with pytest.raises(InvalidRequestError):
+        Request("r", [1, 2, 3], retain=bad)
+
+
+def test_numpy_and_fraction_ttls_are_accepted():
+    import fractions
+
+    assert parse_retention(np.float32(2.5)) == Retention(2, 2.5)
+    assert parse_retention(np.int64(3)) == Retention(2, 3.0)
+    assert parse_retention(fractions.Fraction(1, 2)) == Retention(2, 0.5)

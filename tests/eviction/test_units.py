@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from mambakv import KVCacheCoordinator, Request
 from mambakv.core.arena import SuperblockGeometry
 from mambakv.core.arena_room import count_unhashed
-from mambakv.core.errors import InvalidSpecError, InvalidTokenCountError
+from mambakv.core.errors import InvalidClockError, InvalidSpecError, InvalidTokenCountError
 from mambakv.core.eviction import ReuseEviction
 from mambakv.core.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
@@ -343,8 +344,8 @@ def test_bad_now_changes_nothing():
     req = Request("Z", C)
     hits, hit = coord.get_computed_blocks(req)
     free_before = coord.arena.pages.get_num_free_blocks(), coord.arena.slots.get_num_free_blocks()
-    for bad in (float("nan"), float("inf"), "x", True):
-        with pytest.raises(InvalidTokenCountError):
+    for bad in (float("nan"), float("inf"), "x", True, 10**400):
+        with pytest.raises(InvalidClockError):
             coord.allocate(req, 12, num_new_computed_tokens=hit, new_computed_blocks=hits, num_draft_tokens=0, now=bad)
         assert coord.now == 5.0 and coord.units.now == 5.0
         assert (coord.arena.pages.get_num_free_blocks(), coord.arena.slots.get_num_free_blocks()) == free_before
@@ -352,12 +353,17 @@ def test_bad_now_changes_nothing():
     req2, _ = h.prefill("Y", D, 6.0)
     held = coord.arena.pages.get_num_free_blocks()
     for bad in ("x", math.nan, -math.inf, None.__class__):
-        with pytest.raises(InvalidTokenCountError):
+        with pytest.raises(InvalidClockError):
             coord.free("Y", now=bad)
         assert coord.now == 6.0
         assert coord.arena.pages.get_num_free_blocks() == held  # Y still holds its pages
         coord.check_invariants()
-    coord.free("Y", now=7.0)
+    # a call refused by another check leaves the clock alone; an unknown id moves nothing
+    with pytest.raises(InvalidTokenCountError):
+        coord.allocate(Request("W", C), 10_000, now=99.0)
+    coord.free("nobody", now=98.0)
+    assert coord.now == 6.0
+    coord.free("Y", now=np.float32(7.0))  # any real number
     coord.check_invariants()
     assert (2, 0, 7.0, True) in h.units()
 
@@ -370,3 +376,20 @@ def test_new_leaf_queued_by_last_use():
     # LRU by last use: B (10) goes first; A becomes a leaf then, at 40 (its life as a leaf starts), so C (20)
     # goes before it, then A (40, E's own unit being in its table)
     assert [k for k, _ in h.coord.units.policy.ghost.items()] == [keys[(4, 10.0)], keys[(2, 20.0)], keys[(2, 10.0)]]
+
+
+@pytest.mark.parametrize("eviction", ["lru", "reuse"])
+def test_a_ttl_unit_shared_with_a_high_request_stays_high(eviction):
+    """Regression (found by a fresh-user test): A (ttl 30 s) then A's exact repeat A2 with
+    retain="high" share A's unit, which keeps the stronger hint, high without a ttl; the policy
+    must re-queue it as a plain high leaf (it crashed comparing a None ttl on the next eviction).
+    Then C, D, E (normal, 13 tokens each) push out what they need: never A's unit, which is high."""
+    h = Harness(12, eviction=eviction)
+    h.run("A", A, 0.0, retain=30.0)
+    assert h.run("A2", A, 1.0, retain="high") == 12  # A's state at 12: the whole unit is A2's hit
+    a_unit = next(n.unit for n in h.coord.units.nodes.values() if n.unit)
+    assert a_unit.retain.tier == 2 and a_unit.retain.ttl is None
+    for i, toks in enumerate((C, D, E, [t + 400 for t in C], [t + 400 for t in D])):
+        h.run(f"x{i}", toks, 100.0 + 50 * i)  # idle 100+ s: a ttl of 30 s would long have expired
+    assert a_unit.node is not None  # still cached: high units go only when nothing else can
+    assert h.stats.evictions >= 1
