@@ -253,7 +253,8 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
         if active is not None:
             policies = tuple(p for p, a in zip(policies, active) if a)
             columns = tuple(c for c, a in zip(columns, active) if a)
-            policy_hits = self._policy_no_hits[:len(policies)]
+            # each active policy's own empty hit lists (one per column: a shared Mamba policy has several)
+            policy_hits = tuple(h for h, a in zip(self._policy_no_hits, active) if a)
         # count
         if live is None or num_tokens + num_lookahead_tokens > live.num_covered:
             if self.arena is None:
@@ -274,7 +275,6 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
             if self.units is not None:
                 live.arrival = self.now
                 page = self.units.page_tokens
-                live.hit_pages = num_computed // page
                 live.parent = self.units.admit(group_block_hashes(request, page), request.num_prompt_tokens // page,
                                                num_computed // page, self.now)
         elif live.num_scheduled < num_tokens:

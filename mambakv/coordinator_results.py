@@ -145,8 +145,7 @@ class CoordinatorResults:
         if units is not None and live is not None and tables is not None:
             request = live.request
             units.register(group_block_hashes(request, units.page_tokens), tables, retain=request.retain, arrival=live.arrival,
-                           prompt_tokens=request.num_prompt_tokens, parent=live.parent, now=self.now,
-                           hit_pages=live.hit_pages)
+                           prompt_tokens=request.num_prompt_tokens, parent=live.parent, now=self.now)
             units.settle()
 
     def preempt_all(self) -> list[str]:

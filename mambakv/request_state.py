@@ -27,7 +27,7 @@ class RequestState:
     """A request that holds blocks (see the module docstring)."""
 
     __slots__ = ("request", "tables", "num_scheduled", "num_covered", "quiet_tokens", "retire_quiet", "thresholds",
-                 "quiet_max", "arrival", "parent", "hit_pages")
+                 "quiet_max", "arrival", "parent")
 
     def __init__(self, request: Request, tables: tuple[BlockTable, ...], num_scheduled: int) -> None:
         self.request = request
@@ -44,7 +44,6 @@ class RequestState:
         #: (decoupled layout's eviction units; None elsewhere)
         self.arrival = 0.0
         self.parent: Unit | None = None
-        self.hit_pages = 0
 
     def refresh(self, managers: tuple[SingleTypeKVCacheManager, ...], active: list[bool] | None = None) -> None:
         """Recompute the allocation thresholds from the tables (after a slow step); with

@@ -1,14 +1,13 @@
 """Adding a freed request's chain to the unit index (:mod:`mambakv.core.units`)::
 
-    request's pages   0 .. hit-1 | hit ........ d | d+1 ...... n-1 | n ... (a gap: unreachable)
-                      in the tree  | nodes, units   | tail: dropped   | dropped
-                      (units touched)               (unless another chain's nodes)
+    request's pages   0 ................ d | d+1 ...... n-1 | n ... (a gap: unreachable)
+                      nodes, units          | tail: dropped   | dropped
+                      (existing ones touched) (unless another chain's nodes)
 
-``d`` is the deepest page with a state in every Mamba group (a state in some groups only is
-dropped: it never hits; one missing from the first group came from an eviction ``settle``
-already followed up). Nodes are made only up to ``d``: a
-tail page never enters the tree. The prefix hit is walked by parent links (its nodes exist:
-the request held them), the rest by hash lookups.
+``d`` is the deepest page with a state in every Mamba group; a state in some groups only (one
+was evicted while the request held the others) is dropped: it never hits. Nodes are made only up to ``d``: a
+tail page never enters the tree. The whole chain is walked, its hit
+included (a unit there may have been evicted and published again while the request ran).
 """
 
 from __future__ import annotations
@@ -27,18 +26,15 @@ __all__ = ["register_chain"]
 
 
 def register_chain(ix: UnitIndex, hashes: Sequence[bytes], tables: Sequence[Sequence[KVCacheBlock]], *,
-                   retain: Retention, arrival: float, prompt_tokens: int, parent: Unit | None, now: float,
-                   hit_pages: int) -> None:
+                   retain: Retention, arrival: float, prompt_tokens: int, parent: Unit | None, now: float) -> None:
     """See the module docstring and ``UnitIndex.register``."""
     n = min(len(hashes), min((len(t) for t in tables), default=0))
     nodes, policy = ix.nodes, ix.policy
-    start = 0
-    if 0 < hit_pages <= n:
-        hit_node = nodes.get(hashes[hit_pages - 1])
-        if hit_node is not None and hit_node.index == hit_pages - 1:
-            start = hit_pages
-    # the reachable prefix: every page cached in every full-attention group
-    i = start
+    # The whole chain is walked, its hit included: while the request ran, a unit on its hit may
+    # have been evicted (its state freed by retirement) and another request may have published
+    # a state there again; skipping the hit missed that (found by the fuzzer).
+    # The reachable prefix: every page cached in every full-attention group.
+    i = 0
     if len(ix.page_gids) == 1:  # one full-attention group: one map
         pm = ix.pages.cached_block_hash_to_block.get(ix.page_gids[0]) or {}
         while i < n and hashes[i] in pm:
@@ -49,19 +45,20 @@ def register_chain(ix: UnitIndex, hashes: Sequence[bytes], tables: Sequence[Sequ
             i += 1
     state_maps = ix.slots.cached_block_hash_to_block
     first = state_maps.get(ix.state_gids[0]) or {}
+    others = [m for m in (state_maps.get(g) for g in ix.state_gids[1:]) if m]  # a partial state may miss the first
     if i < n:  # past a gap nothing is reachable: drop the request's own free pages and free states
         lost = [b for t in tables for b in t[i:] if b.block_hash is not None and not b.ref_cnt and not b.is_null]
         if lost:
             ix.pages.drop_cached(lost)
             ix.stats.tail_pages += len(lost)
         for key in hashes[i:]:
-            if key in first and key not in nodes:
+            if (key in first or any(key in m for m in others)) and key not in nodes:
                 ix._drop(ix.slots, ix.state_gids, key)
     n = i
-    # the deepest checkpoint at or after `start` (states are published beyond a hit only)
+    # the deepest checkpoint
     state_present = ix.state_present
     d = n - 1
-    while d >= start and not (hashes[d] in first and state_present(hashes[d])):
+    while d >= 0 and not (hashes[d] in first and state_present(hashes[d])):
         d -= 1
     depth = parent.depth + 1 if parent is not None else 1
     gap = arrival - parent.arrival if parent is not None else None
@@ -69,17 +66,7 @@ def register_chain(ix: UnitIndex, hashes: Sequence[bytes], tables: Sequence[Sequ
     prev: Node | None = None
     last_unit: Unit | None = None
     last_index = -1
-    if start:
-        prev = nodes[hashes[start - 1]]
-        node: Node | None = prev
-        while node is not None:  # the hit's units were used: touch them (their last use is now)
-            u = node.unit
-            if u is not None:
-                if last_unit is None:
-                    last_unit, last_index = u, node.index
-                _touch(u, retain, now, policy)
-            node = node.parent
-    for i in range(start, d + 1):
+    for i in range(d + 1):
         key = hashes[i]
         node = nodes.get(key)
         if node is None:
@@ -96,8 +83,8 @@ def register_chain(ix: UnitIndex, hashes: Sequence[bytes], tables: Sequence[Sequ
             else:
                 _touch(unit, retain, now, policy)
             last_unit, last_index = unit, i
-        elif key in first and ix._drop(ix.slots, ix.state_gids, key):  # part of a state: it never hits
-            ix.stats.partial_states += 1
+        elif (key in first or any(key in m for m in others)) and ix._drop(ix.slots, ix.state_gids, key):
+            ix.stats.partial_states += 1  # part of a state (one group's was evicted): it never hits
         prev = node
     if last_unit is not None:
         last_unit.prompt_end = True
@@ -109,7 +96,7 @@ def register_chain(ix: UnitIndex, hashes: Sequence[bytes], tables: Sequence[Sequ
         if node is not None:
             prev = node
             continue
-        if key in first and ix._drop(ix.slots, ix.state_gids, key):
+        if (key in first or any(key in m for m in others)) and ix._drop(ix.slots, ix.state_gids, key):
             ix.stats.partial_states += 1
         ix._free_copies(ix.pages, ix.page_gids, key, blocks)
     if blocks:

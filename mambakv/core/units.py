@@ -155,15 +155,14 @@ class UnitIndex:
         return parent
 
     def register(self, hashes: Sequence[bytes], tables: Sequence[Sequence[KVCacheBlock]], *, retain: Retention,
-                 arrival: float, prompt_tokens: int, parent: Unit | None, now: float, hit_pages: int = 0) -> None:
+                 arrival: float, prompt_tokens: int, parent: Unit | None, now: float) -> None:
         """A request was freed: add its chain (`hashes`, its full-attention `tables`) to the tree,
         make units of the checkpoints on it, drop its pages past the deepest one
-        (:func:`mambakv.core.unit_register.register_chain`; `hit_pages`: its prefix hit, a chain
-        the tree already holds)."""
+        (:func:`mambakv.core.unit_register.register_chain`)."""
         from mambakv.core.unit_register import register_chain
         self.now = now
         register_chain(self, hashes, tables, retain=retain, arrival=arrival, prompt_tokens=prompt_tokens,
-                       parent=parent, now=now, hit_pages=hit_pages)
+                       parent=parent, now=now)
 
     # ------------------------------------------------------------------ eviction
     def evict_unit(self, unit: Unit, *, chosen: bool = True) -> tuple[int, int]:

@@ -393,3 +393,27 @@ def test_a_ttl_unit_shared_with_a_high_request_stays_high(eviction):
         h.run(f"x{i}", toks, 100.0 + 50 * i)  # idle 100+ s: a ttl of 30 s would long have expired
     assert a_unit.node is not None  # still cached: high units go only when nothing else can
     assert h.stats.evictions >= 1
+
+
+def test_a_state_lost_in_one_group_leaves_no_partial_state():
+    """Regression (fuzzer): two Mamba groups; while R runs, its checkpoint state at 12 tokens
+    (page index 2, retired: free and cached) loses its hash in the first group (``evict_blocks``:
+    data lost). The second group's copy is then a partial state (it can never hit: a hit needs
+    both): it is dropped at once, no unit is made at index 2 when R is freed, and the
+    invariants hold throughout. (A copy still held at that moment is dropped when R is freed.)"""
+    geo = SuperblockGeometry(16, 2, 128, 176)
+    cfg = KVCacheConfig(geo.num_pages, [KVCacheGroupSpec(["a0"], ATTN), KVCacheGroupSpec(["m0"], MAMBA),
+                                        KVCacheGroupSpec(["m1"], MAMBA)], geo)
+    coord = KVCacheCoordinator(cfg, max_model_len=256, eviction="lru")
+    h = Harness.__new__(Harness)
+    h.coord = coord
+    req, _ = h.prefill("R", A, 1.0)  # 13 tokens: chunks end at 12 (a state at page index 2) and 13
+    key = req.block_hashes[2]  # hash_block_size = the page size (4): the hash of page index 2
+    m0, m1 = (coord.state_block_pool.cached_block_hash_to_block[g] for g in (1, 2))
+    assert key in m0 and key in m1
+    coord.state_block_pool.evict_blocks([m0[key].block_id])
+    coord.check_invariants()
+    assert key not in m0 and key not in m1 and coord.units.stats.partial_states == 1
+    coord.free("R", now=2.0)
+    coord.check_invariants()
+    assert not any(n.unit for n in coord.units.nodes.values())
