@@ -41,7 +41,7 @@ from mambakv.groups.tables import group_block_hashes
 from mambakv.hits import PrefixCacheStats, PrefixHitFinder
 from mambakv.placement import DEFAULT_PLACEMENT, CheckpointPlacement, resolve_placement
 from mambakv.plans import KVCacheBlocks
-from mambakv.request_state import RequestState, check_computed
+from mambakv.request_state import RequestState, check_computed, checked_draft_count
 
 __all__ = ["DEFAULT_PLACEMENT", "KVCacheCoordinator", "share_identical_policies"]
 
@@ -200,17 +200,12 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
         num_tokens = num_computed + num_new_tokens
         if num_tokens > self.max_model_len:
             raise InvalidTokenCountError(f"request {rid!r} would reach {num_tokens} tokens > max_model_len {self.max_model_len}")
-        if num_draft_tokens is None:
-            num_drafts = num_tokens - request.num_tokens
-            if num_drafts < 0:
-                num_drafts = 0
-        else:
-            if type(num_draft_tokens) is not int:
-                num_draft_tokens = as_count(num_draft_tokens, "num_draft_tokens")
-            if not 0 <= num_draft_tokens < num_new_tokens:
-                raise InvalidTokenCountError(
-                    f"num_draft_tokens must be in 0..{num_new_tokens - 1} (a step has a real token), got {num_draft_tokens!r}")
+        if num_draft_tokens is None:  # the synchronous derivation
+            num_drafts = max(num_tokens - request.num_tokens, 0)
+        elif type(num_draft_tokens) is int and 0 <= num_draft_tokens < num_new_tokens:  # the hot path: no call
             num_drafts = num_draft_tokens
+        else:
+            num_drafts = checked_draft_count(num_draft_tokens, num_new_tokens)  # raises
         if num_tokens + num_lookahead_tokens > self.max_model_len:  # lookahead is capped, never refused
             num_lookahead_tokens = self.max_model_len - num_tokens
         if now is not None:  # every check passed: the clock moves

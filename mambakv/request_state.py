@@ -14,13 +14,13 @@ step O(1)::
 
 from __future__ import annotations
 
-from mambakv.core.errors import InvalidBlockError, InvalidRequestError, InvalidTokenCountError
+from mambakv.core.errors import InvalidBlockError, InvalidRequestError, InvalidTokenCountError, as_count
 from mambakv.core.request import Request
 from mambakv.core.unit_types import Unit
 from mambakv.groups.base import BlockTable, SingleTypeKVCacheManager
 from mambakv.plans import KVCacheBlocks, RequestView, TableView
 
-__all__ = ["RequestState", "check_computed", "describe"]
+__all__ = ["RequestState", "check_computed", "checked_draft_count", "describe"]
 
 
 class RequestState:
@@ -75,6 +75,20 @@ class RequestState:
             return None
         active = [num_tokens > q or end > c for c, q in self.thresholds]
         return None if all(active) else active
+
+
+def checked_draft_count(num_draft_tokens: object, num_new_tokens: int) -> int:
+    """``allocate``'s explicit `num_draft_tokens`: an int in ``0 .. num_new_tokens - 1`` (a step has
+    a real token).
+
+    Raises:
+        InvalidTokenCountError: anything else.
+    """
+    n = as_count(num_draft_tokens, "num_draft_tokens")
+    if not 0 <= n < num_new_tokens:
+        raise InvalidTokenCountError(
+            f"num_draft_tokens must be in 0..{num_new_tokens - 1} (a step has a real token), got {num_draft_tokens!r}")
+    return n
 
 
 def check_computed(request: Request, live: RequestState | None, num_new_computed_tokens: int,

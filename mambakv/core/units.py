@@ -24,7 +24,7 @@ the victims; the index only keeps the tree, the leaves and the ghosts of evicted
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Set
+from collections.abc import Iterator, Sequence, Set
 
 from mambakv.core.arena_pool import ArenaPool
 from mambakv.core.block import KVCacheBlock
@@ -36,19 +36,31 @@ from mambakv.core.unit_types import Node, Unit, UnitStats, unit_class
 __all__ = ["Node", "Unit", "UnitIndex", "UnitStats", "unit_class"]
 
 
-def _held(maps: dict[int, dict[bytes, MapEntry]], gids: tuple[int, ...], key: bytes) -> bool:
-    """A copy cached under `key` in one of `gids` is in a table."""
+def _in_every(maps: dict[int, dict[bytes, MapEntry]], gids: tuple[int, ...], key: bytes) -> bool:
+    """Every group of `gids` caches a block under `key`."""
+    for gid in gids:
+        m = maps.get(gid)
+        if m is None or key not in m:
+            return False
+    return True
+
+
+def _copies(maps: dict[int, dict[bytes, MapEntry]], gids: tuple[int, ...], key: bytes) -> Iterator[KVCacheBlock]:
+    """Every block cached under `key` in the groups `gids` (a hash may have several copies)."""
     for gid in gids:
         m = maps.get(gid)
         e = m.get(key) if m is not None else None
         if e is None:
             continue
         if isinstance(e, dict):
-            if any(b.ref_cnt for b in e.values()):
-                return True
-        elif e.ref_cnt:
-            return True
-    return False
+            yield from e.values()
+        else:
+            yield e
+
+
+def _held(maps: dict[int, dict[bytes, MapEntry]], gids: tuple[int, ...], key: bytes) -> bool:
+    """A copy cached under `key` in one of `gids` is in a table."""
+    return any(b.ref_cnt for b in _copies(maps, gids, key))
 
 
 class UnitIndex:
@@ -79,23 +91,13 @@ class UnitIndex:
     # ------------------------------------------------------------------ lookups
     # Plain loops over the groups' maps, no lists: they run once or more per page of every chain.
     def page_present(self, key: bytes) -> bool:
-        maps = self.pages.cached_block_hash_to_block
-        for gid in self.page_gids:
-            m = maps.get(gid)
-            if m is None or key not in m:
-                return False
-        return True
+        return _in_every(self.pages.cached_block_hash_to_block, self.page_gids, key)
 
     def page_held(self, key: bytes) -> bool:
         return _held(self.pages.cached_block_hash_to_block, self.page_gids, key)
 
     def state_present(self, key: bytes) -> bool:
-        maps = self.slots.cached_block_hash_to_block
-        for gid in self.state_gids:
-            m = maps.get(gid)
-            if m is None or key not in m:
-                return False
-        return True
+        return _in_every(self.slots.cached_block_hash_to_block, self.state_gids, key)
 
     def state_any(self, key: bytes) -> bool:
         maps = self.slots.cached_block_hash_to_block
@@ -110,16 +112,7 @@ class UnitIndex:
         return not _held(self.slots.cached_block_hash_to_block, self.state_gids, key)
 
     def _free_copies(self, pool: ArenaPool, gids: tuple[int, ...], key: bytes, out: list[KVCacheBlock]) -> None:
-        maps = pool.cached_block_hash_to_block
-        for gid in gids:
-            m = maps.get(gid)
-            e = m.get(key) if m is not None else None
-            if e is None:
-                continue
-            if isinstance(e, dict):
-                out.extend(b for b in e.values() if not b.ref_cnt)
-            elif not e.ref_cnt:
-                out.append(e)
+        out.extend(b for b in _copies(pool.cached_block_hash_to_block, gids, key) if not b.ref_cnt)
 
     def _drop(self, pool: ArenaPool, gids: tuple[int, ...], key: bytes) -> int:
         """Drop every free copy cached under `key` in `gids`; the blocks freed."""
