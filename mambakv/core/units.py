@@ -99,14 +99,6 @@ class UnitIndex:
     def state_present(self, key: bytes) -> bool:
         return _in_every(self.slots.cached_block_hash_to_block, self.state_gids, key)
 
-    def state_any(self, key: bytes) -> bool:
-        maps = self.slots.cached_block_hash_to_block
-        for gid in self.state_gids:
-            m = maps.get(gid)
-            if m is not None and key in m:
-                return True
-        return False
-
     def state_free(self, key: bytes) -> bool:
         """No copy of the state at `key` is in a table."""
         return not _held(self.slots.cached_block_hash_to_block, self.state_gids, key)
