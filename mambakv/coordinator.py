@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from mambakv.coordinator_pools import CoordinatorPools, build_pools, build_units
+from mambakv.coordinator_pools import CoordinatorPools, build_pools, build_units, unit_table_managers
 from mambakv.coordinator_queries import CoordinatorQueries
 from mambakv.coordinator_results import CoordinatorResults
 from mambakv.core.block import KVCacheBlock
@@ -37,7 +37,6 @@ from mambakv.core.eviction import EvictionPolicy
 from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheConfig, MambaCacheMode
 from mambakv.groups import MambaManager, SingleTypeKVCacheManager, make_manager, share_identical_policies
-from mambakv.groups.tables import group_block_hashes
 from mambakv.hits import PrefixCacheStats, PrefixHitFinder
 from mambakv.placement import DEFAULT_PLACEMENT, CheckpointPlacement, resolve_placement
 from mambakv.plans import KVCacheBlocks
@@ -112,8 +111,7 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
         self.mamba_managers = tuple(m for m in self.managers if isinstance(m, MambaManager))
         #: decoupled: the eviction units and their policy (mambakv.core.units), else None
         self.units = build_units(self.arena, self.managers, eviction, enable_caching)
-        self._unit_tables = tuple(m for m in self.managers if self.units is not None
-                                  and m.kv_cache_group_id in self.units.page_gids)
+        self._unit_tables = unit_table_managers(self.units, self.managers)
         #: seconds: the engine's clock, the latest ``now`` given to allocate / free (ages of units)
         self.now = 0.0
         #: the managers that run a policy (groups with one Mamba spec share the first one's)
@@ -268,10 +266,7 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
             live = self._live[rid] = RequestState(request, tuple(p.table(rid) for p in policies), num_tokens)
             self._count_admission(request, num_new_computed_tokens)
             if self.units is not None:
-                live.arrival = self.now
-                page = self.units.page_tokens
-                live.parent = self.units.admit(group_block_hashes(request, page), request.num_prompt_tokens // page,
-                                               num_computed // page, self.now)
+                self._admit_to_units(live, num_computed)
         elif live.num_scheduled < num_tokens:
             live.num_scheduled = num_tokens
         if hits is not self._no_hits:

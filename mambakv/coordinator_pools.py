@@ -21,9 +21,11 @@ from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheConfig, KVCacheSpec, MambaSpec
 from mambakv.core.units import UnitIndex
 from mambakv.groups import GroupKind, SingleTypeKVCacheManager
+from mambakv.groups.tables import group_block_hashes
 from mambakv.plans import KVCacheBlocks
+from mambakv.request_state import RequestState
 
-__all__ = ["CoordinatorPools", "build_pools", "build_units"]
+__all__ = ["CoordinatorPools", "build_pools", "build_units", "unit_table_managers"]
 
 
 def build_pools(config: KVCacheConfig, enable_caching: bool,
@@ -59,12 +61,20 @@ def build_units(arena: SuperblockArena | None, managers: Sequence[SingleTypeKVCa
     return arena.enable_units(pages, states, policy, page_tokens=managers[0].block_size)
 
 
+def unit_table_managers(units: UnitIndex | None,
+                        managers: Sequence[SingleTypeKVCacheManager]) -> tuple[SingleTypeKVCacheManager, ...]:
+    """The managers whose tables make a unit's chain (the full-attention groups); () without units."""
+    return tuple(m for m in managers if units is not None and m.kv_cache_group_id in units.page_gids)
+
+
 class CoordinatorPools:
     """Mixed into KVCacheCoordinator, which sets every attribute declared here."""
 
     block_pool: BlockPool
     state_block_pool: BlockPool
     arena: SuperblockArena | None
+    units: UnitIndex | None
+    now: float
     policies: tuple[SingleTypeKVCacheManager, ...]
     max_model_len: int
     _columns: tuple[tuple[int, ...], ...]
@@ -103,6 +113,16 @@ class CoordinatorPools:
         if not self.arena.can_supply(pages, slots, None if hits is self._no_hits else [b for h in hits for b in h]):
             return None
         return pages, slots
+
+    def _admit_to_units(self, live: RequestState, num_computed: int) -> None:
+        """A request's first allocation (decoupled, with units): its arrival, the leaf units its
+        hit reuses, the ghosts on its chain, and its conversation parent (``UnitIndex.admit``)."""
+        units, request = self.units, live.request
+        assert units is not None
+        page = units.page_tokens
+        live.arrival = self.now
+        live.parent = units.admit(group_block_hashes(request, page), request.num_prompt_tokens // page,
+                                  num_computed // page, self.now)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; False (nothing changed) while any block is in use. To reset
