@@ -23,6 +23,7 @@ from mambakv.core.errors import (
     InvalidRequestError,
     InvalidSpecError,
     InvalidTokenCountError,
+    LoadPendingError,
     MambaKVError,
     ModelConfigError,
     OutOfBlocksError,
@@ -30,6 +31,7 @@ from mambakv.core.errors import (
     TraceFormatError,
 )
 from mambakv.core.hashing import hash_block_tokens, init_none_hash
+from mambakv.core.host_tier import HostTierSpec, HostWrite
 from mambakv.core.request import Request
 from mambakv.core.spec import (
     DecodeCheckpoints,
@@ -41,6 +43,7 @@ from mambakv.core.spec import (
     MambaSpec,
     SlidingWindowSpec,
 )
+from mambakv.core.transfers import BlockKind, LoadPlan, Tier, Transfer, TransferPlan
 from mambakv.groups import (
     FullAttentionManager,
     MambaManager,
@@ -49,7 +52,7 @@ from mambakv.groups import (
     StatePlan,
 )
 from mambakv.hits import PrefixCacheStats
-from mambakv.plans import KVCacheBlocks
+from mambakv.plans import KVCacheBlocks, TieredHit
 
 __version__ = "0.1.0"
 
@@ -65,12 +68,13 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "AllBlocksCleared", "BlockNotFreeError", "BlockPool", "BlockRemoved", "BlockStored", "CopyBackend", "DoubleFreeError",
-    "FreeBlockQueue", "FullAttentionManager", "FullAttentionSpec", "HashBlockSizeMismatchError",
+    "AllBlocksCleared", "BlockKind", "BlockNotFreeError", "BlockPool", "BlockRemoved", "BlockStored", "CopyBackend", "DoubleFreeError",
+    "FreeBlockQueue", "FullAttentionManager", "FullAttentionSpec", "HashBlockSizeMismatchError", "HostTierSpec", "HostWrite",
     "InvalidBlockError", "InvalidClockError", "InvalidCopyPlanError", "InvalidDraftCountError", "InvalidHashError", "InvalidRequestError", "InvalidSpecError", "InvalidTokenCountError", "KVCacheBlock", "KVCacheBlocks",
+    "LoadPendingError", "LoadPlan",
     "DecodeCheckpoints", "KVCacheConfig", "KVCacheCoordinator", "KVCacheGroupSpec", "KVCacheSpec", "MambaCacheMode",
     "MambaKVError",
     "MambaManager", "MambaSpec", "MambaStatePool", "ModelConfigError", "OutOfBlocksError", "PrefixCacheStats",
     "Request", "SingleTypeKVCacheManager", "SlidingWindowManager", "SlidingWindowSpec", "StaleCacheHitError", "StatePlan",
-    "TraceFormatError", "hash_block_tokens", "init_none_hash",
+    "Tier", "TieredHit", "TraceFormatError", "Transfer", "TransferPlan", "hash_block_tokens", "init_none_hash",
 ]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from mambakv.coordinator_host import CoordinatorHost, build_host_tier
 from mambakv.coordinator_pools import CoordinatorPools, build_pools, build_units, unit_table_managers
 from mambakv.coordinator_queries import CoordinatorQueries
 from mambakv.coordinator_results import CoordinatorResults
@@ -34,6 +35,7 @@ from mambakv.core.errors import (
     as_seconds,
 )
 from mambakv.core.eviction import EvictionPolicy
+from mambakv.core.host_tier import HostTierSpec, HostWrite
 from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheConfig, MambaCacheMode
 from mambakv.groups import MambaManager, SingleTypeKVCacheManager, make_manager, share_identical_policies
@@ -45,7 +47,7 @@ from mambakv.request_state import RequestState, check_computed, checked_draft_co
 __all__ = ["DEFAULT_PLACEMENT", "KVCacheCoordinator", "share_identical_policies"]
 
 
-class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPools):
+class KVCacheCoordinator(CoordinatorHost, CoordinatorResults, CoordinatorQueries, CoordinatorPools):
     """One manager per group over one BlockPool (unified) or a SuperblockArena's two pools (decoupled).
 
     Args:
@@ -64,6 +66,9 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
             states are published): a :class:`~mambakv.placement.CheckpointPlacement` or rule
             names (``placement_from_names``; a str is split at commas); None: the layout's default
             (``DEFAULT_PLACEMENT``: vLLM 0.33's rules unified, measured ones decoupled).
+        eviction: the decoupled layout's unit eviction policy (``"reuse"``, the default, or ``"lru"``).
+        host_tier: a :class:`~mambakv.core.host_tier.HostTierSpec`: a host-memory tier holding
+            units (``get_computed_blocks_tiered``, :mod:`mambakv.coordinator_host`); None: none.
 
     Raises:
         HashBlockSizeMismatchError: `hash_block_size` is not a positive int or does not divide a
@@ -78,7 +83,7 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
                  enable_kv_cache_events: bool = False, max_num_seqs: int = 256,
                  lazy_spare_may_evict: bool = False,
                  checkpoint_placement: CheckpointPlacement | Sequence[str] | None = None,
-                 eviction: str | EvictionPolicy | None = None) -> None:
+                 eviction: str | EvictionPolicy | None = None, host_tier: HostTierSpec | None = None) -> None:
         if not isinstance(kv_cache_config, KVCacheConfig):
             raise InvalidSpecError(f"kv_cache_config must be a KVCacheConfig, got {type(kv_cache_config).__name__}")
         groups = kv_cache_config.kv_cache_groups
@@ -112,6 +117,13 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
         #: decoupled: the eviction units and their policy (mambakv.core.units), else None
         self.units = build_units(self.arena, self.managers, eviction, enable_caching)
         self._unit_tables = unit_table_managers(self.units, self.managers)
+        #: the host-memory tier (``host_tier``), else None
+        self.host = build_host_tier(host_tier, kv_cache_config, self.managers, self.block_pool, self.state_block_pool,
+                                    self.units, enable_caching, use_eagle)
+        if self.host is not None and self.host.write is HostWrite.EVICT and self.units is not None:
+            self.units.before_evict = self._store_evicted
+        self._loads = {}
+        self._load_plans = []
         #: seconds: the engine's clock, the latest ``now`` given to allocate / free (ages of units)
         self.now = 0.0
         #: the managers that run a policy (groups with one Mamba spec share the first one's)
@@ -194,6 +206,8 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
         if (live is None or live.request is not request or num_new_computed_tokens
                 or request.num_computed_tokens > live.num_scheduled):  # all but a running request's step
             check_computed(request, live, num_new_computed_tokens, new_computed_blocks)
+            if live is None and self._loads:
+                self._check_load_ready(rid)
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens = num_computed + num_new_tokens
         if num_tokens > self.max_model_len:
@@ -279,6 +293,8 @@ class KVCacheCoordinator(CoordinatorResults, CoordinatorQueries, CoordinatorPool
             if room is not None:  # touched hits came off the free queues: they are not popped
                 room = (room[0] - free_before[0] + self.block_pool.get_num_free_blocks(),
                         room[1] - free_before[1] + self.state_block_pool.get_num_free_blocks())
+        if self._loads and rid in self._loads:  # its hit is touched: a host-tier load's hold ends
+            self._release_load(rid, admitted_tokens=num_computed)
         if room is not None:
             self.arena.make_room(*room)  # type: ignore[union-attr]
         new_blocks: list[list[KVCacheBlock]] = [[] for _ in self.managers]

@@ -17,6 +17,7 @@ from mambakv.core.errors import InvalidRequestError, InvalidSpecError, InvalidTo
 from mambakv.core.events import KVCacheEvent
 from mambakv.core.eviction import EvictionPolicy, make_eviction_policy
 from mambakv.core.modes import MambaCacheMode
+from mambakv.core.host_tier import HostTier
 from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheConfig, KVCacheSpec, MambaSpec
 from mambakv.core.units import UnitIndex
@@ -74,6 +75,7 @@ class CoordinatorPools:
     state_block_pool: BlockPool
     arena: SuperblockArena | None
     units: UnitIndex | None
+    host: HostTier | None
     now: float
     policies: tuple[SingleTypeKVCacheManager, ...]
     max_model_len: int
@@ -128,11 +130,17 @@ class CoordinatorPools:
         """Drop every cached hash; False (nothing changed) while any block is in use. To reset
         with requests running, call ``preempt_all()`` first."""
         pools = self.pools
+        host = self.host
+        if host is not None:  # the host tier's hashes go too (pinned host blocks: a load in flight)
+            pools = pools + (host.arena.pages, host.arena.slots)
         if any(p.get_num_free_blocks() != p.num_blocks - 1 - p.num_reserved_blocks for p in pools):
             return False  # all or nothing: check every pool before dropping any hash
         ok = all([bool(p.reset_prefix_cache()) for p in pools])
         if self.arena is not None and self.arena.units is not None:
             self.arena.units.clear()
+        if host is not None:
+            host.units.clear()
+            host.stores.clear()
         return ok
 
     @property

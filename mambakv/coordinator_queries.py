@@ -3,11 +3,14 @@ drains, read-only views and invariants. Nothing here allocates or frees a block.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from mambakv.coordinator_pools import CoordinatorPools
 from mambakv.core.arena import SuperblockArena
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
 from mambakv.core.errors import InvalidRequestError, InvalidTokenCountError, as_count
+from mambakv.core.host_tier import HostTier
 from mambakv.core.request import Request
 from mambakv.core.units import UnitIndex
 from mambakv.groups import MambaManager, SingleTypeKVCacheManager, StatePlan
@@ -45,6 +48,11 @@ class CoordinatorQueries(CoordinatorPools):
     _no_hits: tuple[tuple[()], ...]
     checkpoint_placement: CheckpointPlacement
     chunk_alignment: int
+    host: HostTier | None
+    _loads: dict[str, Any]
+
+    if TYPE_CHECKING:  # CoordinatorHost's
+        def _load_holders(self) -> list[KVCacheBlock]: ...
 
     # ------------------------------------------------------------------ prefix hits
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
@@ -243,8 +251,9 @@ class CoordinatorQueries(CoordinatorPools):
             self.arena.check_invariants()
             if self.units is not None:
                 page = self.units.page_tokens
-                self.units.check_invariants({h for live in self._live.values()
-                                             for h in group_block_hashes(live.request, page)})
+                live_keys = {h for live in self._live.values() for h in group_block_hashes(live.request, page)}
+                live_keys.update(h for load in self._loads.values() for h in load.hashes)
+                self.units.check_invariants(live_keys)
         else:
             self.block_pool.check_invariants()
         holders: dict[tuple[int, int], int] = {}
@@ -258,6 +267,10 @@ class CoordinatorQueries(CoordinatorPools):
                         assert b.pool_id == m.block_pool.pool_id, f"block {b.block_id} of another pool in group {gid}"
                         holders[key] = holders.get(key, 0) + 1
                         assert owner.setdefault(key, gid) == gid, f"block {b.block_id} in two groups"
+        for b in self._load_holders():  # a host-tier load's hold counts as one holder
+            holders[(b.pool_id, b.block_id)] = holders.get((b.pool_id, b.block_id), 0) + 1
+        if self.host is not None:
+            self.host.check_invariants()
         for pool in self.pools:
             if self.arena is None:
                 assert pool.num_reserved_blocks == 0, "no group reserves blocks"
@@ -267,6 +280,8 @@ class CoordinatorQueries(CoordinatorPools):
                     held += 1
                     assert pool.blocks[bid].ref_cnt == n, f"block {bid}: ref {pool.blocks[bid].ref_cnt} != {n} tables"
             assert pool.get_num_free_blocks() + held + pool.num_reserved_blocks == pool.num_blocks - 1, "blocks leaked"
+        for rid in self._loads:
+            assert rid not in self._live, f"{rid}: a load's hold on a live request"
         for rid, live in self._live.items():
             assert live.request.request_id == rid and live.num_scheduled > 0, f"{rid}: bad live entry"
             for m, t in zip(self.policies, live.tables):

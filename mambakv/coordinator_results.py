@@ -4,6 +4,8 @@ calls when a step's outputs come back (``retire``, ``accept_drafts``) and when a
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from mambakv.core.errors import (
     InvalidDraftCountError,
     InvalidRequestError,
@@ -11,6 +13,7 @@ from mambakv.core.errors import (
     as_count,
     as_seconds,
 )
+from mambakv.core.host_tier import HostTier, HostWrite
 from mambakv.core.request import Request
 from mambakv.core.units import UnitIndex
 from mambakv.groups import MambaManager, SingleTypeKVCacheManager
@@ -35,6 +38,12 @@ class CoordinatorResults:
     units: UnitIndex | None
     now: float
     _unit_tables: tuple[SingleTypeKVCacheManager, ...]
+    host: HostTier | None
+    _loads: dict[str, Any]
+
+    if TYPE_CHECKING:  # CoordinatorHost's
+        def _release_load(self, request_id: str, *, admitted_tokens: int | None = None) -> None: ...
+        def _store_freed(self, request: Request) -> None: ...
 
     def retire(self, request_id: str, num_processed_tokens: int) -> None:
         """Outputs came back: `num_processed_tokens` (settled, never the optimistic scheduled
@@ -127,6 +136,11 @@ class CoordinatorResults:
         """
         if now is not None:
             now = as_seconds(now)
+        if self._loads and request_id in self._loads:  # a load in flight or its hold (never live)
+            if now is not None:
+                self.set_now(now)
+            self._release_load(request_id)
+            return
         if request_id not in self._live and not any(request_id in m.req_to_blocks for m in self.managers):
             if type(request_id) is not str:
                 raise InvalidRequestError(f"request ids are strs, got {type(request_id).__name__} {request_id!r}")
@@ -147,6 +161,8 @@ class CoordinatorResults:
             units.register(group_block_hashes(request, units.page_tokens), tables, retain=request.retain, arrival=live.arrival,
                            prompt_tokens=request.num_prompt_tokens, parent=live.parent, now=self.now)
             units.settle()
+        if self.host is not None and live is not None and self.host.write is HostWrite.THROUGH:
+            self._store_freed(live.request)
 
     def preempt_all(self) -> list[str]:
         """Free every request (the engine re-queues them to recompute) and return their ids,

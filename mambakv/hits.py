@@ -40,10 +40,22 @@ class PrefixCacheStats:
     preempted_requests: int = 0
     preempted_queries: int = 0
     preempted_hits: int = 0
+    #: of ``hits``: tokens the host tier supplied (loaded by ``get_computed_blocks_tiered``)
+    host_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
+
+    @property
+    def hit_rate_gpu(self) -> float:
+        """Hits found on the GPU over queries."""
+        return (self.hits - self.host_hits) / self.queries if self.queries else 0.0
+
+    @property
+    def hit_rate_host(self) -> float:
+        """Hits loaded from the host tier over queries."""
+        return self.host_hits / self.queries if self.queries else 0.0
 
 
 @dataclass

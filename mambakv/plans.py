@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from mambakv.core.block import KVCacheBlock
+from mambakv.core.transfers import LoadPlan
 
-__all__ = ["EMPTY_STEP_PLAN", "GroupPlan", "KVCacheBlocks", "RequestView", "StepPlan", "TableView"]
+__all__ = ["EMPTY_STEP_PLAN", "GroupPlan", "KVCacheBlocks", "RequestView", "StepPlan", "TableView", "TieredHit"]
 
 
 @dataclass
@@ -95,3 +96,26 @@ class RequestView(NamedTuple):
     num_tokens: int
     num_scheduled: int
     tables: tuple[TableView, ...]
+
+
+class TieredHit(NamedTuple):
+    """A prefix hit over both tiers (``get_computed_blocks_tiered``).
+
+    Attributes:
+        blocks: the GPU part, per group (what ``get_computed_blocks`` returns).
+        num_gpu_tokens: its tokens.
+        num_host_tokens: tokens past it that the host tier supplies (whole units only: every page
+            up to the hit and the state at it); 0 when the host adds nothing or no GPU room is free.
+        load: the load that brings them to the GPU (None when ``num_host_tokens`` is 0). The
+            request is ready only after ``complete_load``; then ``get_computed_blocks`` returns
+            the whole hit.
+    """
+
+    blocks: KVCacheBlocks
+    num_gpu_tokens: int
+    num_host_tokens: int
+    load: LoadPlan | None
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.num_gpu_tokens + self.num_host_tokens

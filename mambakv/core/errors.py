@@ -82,6 +82,11 @@ class InvalidClockError(MambaKVError, ValueError):
     """An engine clock value (``now=``, seconds) that is not a finite real number."""
 
 
+class LoadPendingError(MambaKVError, RuntimeError):
+    """A request whose host-tier load is not complete was allocated or looked up again, or a
+    load was completed / aborted that is not in flight (``complete_load``, ``abort_load``)."""
+
+
 def as_seconds(value: object, name: str = "now") -> float:
     """`value` as a finite float (ints, floats, numpy numbers, any ``numbers.Real``; not bools).
 

@@ -24,7 +24,7 @@ the victims; the index only keeps the tree, the leaves and the ghosts of evicted
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence, Set
+from collections.abc import Callable, Iterator, Sequence, Set
 
 from mambakv.core.arena_pool import ArenaPool
 from mambakv.core.block import KVCacheBlock
@@ -87,6 +87,9 @@ class UnitIndex:
                          num_states=len(self.state_gids), stats=self.stats)
         #: seconds: the engine's clock, set by the coordinator from each call's ``now``
         self.now = 0.0
+        #: called with a unit about to be evicted, its blocks still cached (a host tier's
+        #: write-on-evict store); None: nothing
+        self.before_evict: Callable[[Unit], None] | None = None
 
     # ------------------------------------------------------------------ lookups
     # Plain loops over the groups' maps, no lists: they run once or more per page of every chain.
@@ -155,6 +158,8 @@ class UnitIndex:
         Returns ``(pages, slots)`` freed. `chosen`: the policy picked it (else a cascade)."""
         node = unit.node
         assert node is not None and node.unit is unit
+        if self.before_evict is not None:
+            self.before_evict(unit)
         slots = self._drop(self.slots, self.state_gids, unit.key)
         node.unit = None
         self.policy.on_evict(unit, self.now, chosen=chosen)

@@ -1,0 +1,298 @@
+"""The host-memory tier: a second byte budget that holds the same units as the GPU tier.
+
+On the real trace a next turn comes a median 108 s after its parent while 60 GiB of GPU memory
+holds about 70 s of traffic (CACHE.md): a host tier keeps units (a Mamba checkpoint and its
+pages) for minutes. It is a :class:`~mambakv.core.arena.SuperblockArena` of its own (the device
+layout's page and slot sizes, its own number of superblocks) with its own
+:class:`~mambakv.core.units.UnitIndex` and policy; every host block is cached, at ref count 0,
+except while a load reads it (pinned)::
+
+    GPU tier                         host tier (own budget, own units, own eviction)
+    unit U(p5) = states + pages  --store (D2H)-->  same hashes, host page / slot ids
+    a request's hit past the GPU <--load (H2D)---  only whole units: pages up to p, state at p
+
+When units are written (``HostWrite``):
+
+=========  ===============================================================================
+through    when a request is freed, every checkpoint on its chain the host lacks (and the
+           pages up to it): the default. The host holds copies of GPU units too.
+evict      when the GPU tier evicts a unit (decoupled layout with units only): the tiers hold
+           disjoint units, but the store is on the evicting step's critical path.
+=========  ===============================================================================
+
+Stores are planned (:mod:`mambakv.core.transfers`) and assumed done in plan order: a host block is
+written only by a store of the plan that allocated it, and read only by a load while pinned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from mambakv.core.arena import SuperblockArena, SuperblockGeometry
+from mambakv.core.block import KVCacheBlock
+from mambakv.core.block_pool import BlockPool
+from mambakv.core.errors import InvalidSpecError, as_count
+from mambakv.core.eviction import EvictionPolicy
+from mambakv.core.prefix_map import MapEntry
+from mambakv.core.retention import NORMAL_RETENTION, Retention
+from mambakv.core.transfers import BlockKind, Tier, Transfer
+
+__all__ = ["HostStats", "HostTier", "HostTierSpec", "HostWrite", "first_copy"]
+
+
+class HostWrite(str, Enum):
+    """When units are written to the host tier (see the module docstring)."""
+
+    THROUGH = "through"
+    EVICT = "evict"
+
+
+@dataclass(frozen=True)
+class HostTierSpec:
+    """A host tier for ``KVCacheCoordinator(host_tier=...)``.
+
+    Attributes:
+        memory_bytes: the host budget in bytes (pinned host memory on a real engine).
+        write: ``"through"`` (default) or ``"evict"`` (:class:`HostWrite`).
+        eviction: the host tier's policy (``"reuse"`` / ``"lru"``); None: ``"lru"`` (with a host
+            tier the two score the same on the trace, CACHE.md).
+        block_bytes: the unified layout only: bytes of one block id (``PagePlan.bytes_per_block``);
+            the decoupled layout takes its page and state bytes from the config.
+
+    Raises:
+        InvalidSpecError: a bad field (checked here; the geometry is checked by the coordinator).
+    """
+
+    memory_bytes: int
+    write: HostWrite | str = HostWrite.THROUGH
+    eviction: str | None = None
+    block_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        as_count(self.memory_bytes, "memory_bytes", 1, error=InvalidSpecError)
+        try:
+            object.__setattr__(self, "write", HostWrite(self.write))
+        except ValueError:
+            raise InvalidSpecError(f"host write must be 'through' or 'evict', got {self.write!r}") from None
+        if self.block_bytes is not None:
+            as_count(self.block_bytes, "block_bytes", 1, error=InvalidSpecError)
+
+    def geometry(self, device: SuperblockGeometry | None) -> SuperblockGeometry:
+        """The host arena's geometry: `device`'s page / state sizes (decoupled), or one block id
+        per page and per slot (unified, ``block_bytes``), with as many superblocks as fit.
+
+        Raises:
+            InvalidSpecError: unified without ``block_bytes``, or fewer than 2 superblocks fit.
+        """
+        if device is not None:
+            k, page, state = device.pages_per_superblock, device.page_bytes, device.state_bytes
+        elif self.block_bytes is None:
+            raise InvalidSpecError("a host tier over the unified layout needs block_bytes (bytes of one block id)")
+        else:
+            k, page, state = 1, self.block_bytes, self.block_bytes
+        n = self.memory_bytes // (k * page)
+        if n < 2:
+            raise InvalidSpecError(f"{self.memory_bytes} B of host memory hold {n} superblocks of {k * page} B; "
+                                   f"need at least 2")
+        return SuperblockGeometry(n, k, page, state)
+
+
+@dataclass
+class HostStats:
+    """Counts of the host tier (bytes are the transfers planned)."""
+
+    stores: int = 0
+    stored_pages: int = 0
+    stored_states: int = 0
+    bytes_d2h: int = 0
+    skipped_stores: int = 0
+    loads: int = 0
+    bytes_h2d: int = 0
+    loaded_tokens: int = 0
+    aborted_loads: int = 0
+    by_write: dict[str, int] = field(default_factory=dict)
+
+
+def first_copy(m: dict[bytes, MapEntry] | None, key: bytes) -> KVCacheBlock | None:
+    """One block cached under `key` in a group's map (a hash may have several copies), or None."""
+    e = m.get(key) if m is not None else None
+    if e is None or not isinstance(e, dict):
+        return e
+    return next(iter(e.values()))
+
+
+class HostTier:
+    """The host arena, its units, and the stores planned since the last drain.
+
+    Args:
+        geometry: the host arena's (``HostTierSpec.geometry``).
+        gpu_pages / gpu_slots: the GPU tier's page and state pools (one pool in the unified layout).
+        page_gids / state_gids: the full-attention and the align-mode Mamba group ids.
+        page_tokens: tokens per page (every group's block size).
+        policy: the host tier's eviction policy (its own instance).
+        write: when units are stored.
+    """
+
+    def __init__(self, geometry: SuperblockGeometry, *, gpu_pages: BlockPool, gpu_slots: BlockPool,
+                 page_gids: Sequence[int], state_gids: Sequence[int], page_tokens: int,
+                 policy: EvictionPolicy, write: HostWrite) -> None:
+        self.geometry = geometry
+        self.arena = SuperblockArena(geometry)
+        self.units = self.arena.enable_units(page_gids, state_gids, policy, page_tokens=page_tokens)
+        self.gpu_pages, self.gpu_slots = gpu_pages, gpu_slots
+        self.page_gids, self.state_gids = tuple(page_gids), tuple(state_gids)
+        self.page_tokens, self.write = page_tokens, write
+        self.stats = HostStats()
+        #: GPU -> HOST transfers planned since the last ``take_stores``
+        self.stores: list[Transfer] = []
+
+    # ------------------------------------------------------------------ lookups
+    def _present(self, pool: BlockPool, gids: tuple[int, ...], key: bytes) -> bool:
+        maps = pool.cached_block_hash_to_block
+        for gid in gids:
+            m = maps.get(gid)
+            if m is None or key not in m:
+                return False
+        return True
+
+    def gpu_page(self, key: bytes) -> bool:
+        return self._present(self.gpu_pages, self.page_gids, key)
+
+    def gpu_state(self, key: bytes) -> bool:
+        return self._present(self.gpu_slots, self.state_gids, key)
+
+    def host_page(self, key: bytes) -> bool:
+        return self._present(self.arena.pages, self.page_gids, key)
+
+    def host_state(self, key: bytes) -> bool:
+        return self._present(self.arena.slots, self.state_gids, key)
+
+    def find(self, hashes: Sequence[bytes], max_pages: int) -> int:
+        """Pages of the deepest hit over both tiers within ``hashes[:max_pages]``: every page up to
+        it cached in the GPU or the host tier (each group's copy in one of them), a state in every
+        Mamba group at its last page in one tier. 0: none."""
+        best = 0
+        for i in range(min(max_pages, len(hashes))):
+            key = hashes[i]
+            if not (self.gpu_page(key) or self.host_page(key)):
+                break
+            if self.gpu_state(key) or self.host_state(key):
+                best = i + 1
+        return best
+
+    def gpu_checkpoints(self, hashes: Sequence[bytes]) -> tuple[int, list[int]]:
+        """``(pages, positions)``: the GPU-cached prefix of `hashes` in pages and the page indices
+        on it with a state in every Mamba group (what a write-through store copies)."""
+        positions: list[int] = []
+        n = 0
+        for key in hashes:
+            if not self.gpu_page(key):
+                break
+            if self.gpu_state(key):
+                positions.append(n)
+            n += 1
+        return n, positions
+
+    # ------------------------------------------------------------------ stores
+    def store_chain(self, hashes: Sequence[bytes], positions: Sequence[int], *, now: float,
+                    retain: Retention = NORMAL_RETENTION, prompt_tokens: int = 0) -> bool:
+        """Plan the stores that put the checkpoints at page indices `positions` of the chain
+        `hashes` (GPU-cached up to the deepest one) in the host tier, with the pages up to them;
+        what the host has already is skipped. Host units may be evicted to make room (the chain's
+        own host pages are pinned meanwhile). Returns False when nothing could be stored (no room:
+        every host block pinned, or a chain larger than the budget)."""
+        positions = [i for i in positions if not self.host_state(hashes[i])]
+        if not positions:
+            return True
+        upto = max(positions) + 1
+        arena, units = self.arena, self.units
+        host_maps, gpu_pmaps = arena.pages.cached_block_hash_to_block, self.gpu_pages.cached_block_hash_to_block
+        gpu_smaps = self.gpu_slots.cached_block_hash_to_block
+        pinned: list[KVCacheBlock] = []
+        new_pages: list[tuple[int, int, KVCacheBlock]] = []  # (index, gid, GPU source)
+        for i in range(upto):
+            key = hashes[i]
+            for gid in self.page_gids:
+                have = first_copy(host_maps.get(gid), key)
+                if have is not None:
+                    pinned.append(have)
+                    continue
+                src = first_copy(gpu_pmaps.get(gid), key)
+                assert src is not None, f"page {i} of a stored chain is not on the GPU"
+                new_pages.append((i, gid, src))
+        new_states = [(i, gid, first_copy(gpu_smaps.get(gid), hashes[i])) for i in positions for gid in self.state_gids]
+        arena.pages.touch(pinned)
+        ok = arena.can_supply(len(new_pages), len(new_states))
+        if ok:
+            arena.make_room(len(new_pages), len(new_states))
+            ok = arena.pages.get_num_free_blocks() >= len(new_pages)
+        if not ok:
+            arena.pages.free_blocks(pinned)
+            arena.settle()
+            self.stats.skipped_stores += 1
+            return False
+        page_blocks = arena.pages.get_new_blocks(len(new_pages))
+        slot_blocks = arena.slots.get_new_blocks(len(new_states))
+        g = self.geometry
+        for (i, gid, src), hb in zip(new_pages, page_blocks):
+            arena.pages.cache_full_blocks([hb], [hashes[i]], gid)
+            self.stores.append(Transfer(Tier.GPU, src.block_id, Tier.HOST, hb.block_id, g.page_bytes, BlockKind.PAGE, gid))
+        for (i, gid, src), hb in zip(new_states, slot_blocks):
+            assert src is not None, f"state {i} of a stored chain is not on the GPU"
+            arena.slots.cache_full_blocks([hb], [hashes[i]], gid)
+            self.stores.append(Transfer(Tier.GPU, src.block_id, Tier.HOST, hb.block_id, g.state_bytes, BlockKind.STATE, gid))
+        tables = [[first_copy(host_maps.get(gid), hashes[i]) for i in range(upto)] for gid in self.page_gids]
+        arena.slots.free_blocks(slot_blocks)
+        arena.pages.free_blocks(pinned + page_blocks)
+        units.register(hashes[:upto], tables, retain=retain, arrival=now,  # type: ignore[arg-type]
+                       prompt_tokens=prompt_tokens, parent=None, now=now)
+        arena.settle()
+        s = self.stats
+        s.stores += 1
+        s.stored_pages += len(new_pages)
+        s.stored_states += len(new_states)
+        s.bytes_d2h += len(new_pages) * g.page_bytes + len(new_states) * g.state_bytes
+        return True
+
+    def take_stores(self) -> list[Transfer]:
+        stores, self.stores = self.stores, []
+        return stores
+
+    # ------------------------------------------------------------------ loads
+    def pin(self, hashes: Sequence[bytes], indices: Sequence[int], state_at: int | None) -> tuple[
+            list[tuple[int, int, KVCacheBlock]], list[tuple[int, KVCacheBlock]]]:
+        """Pin (ref count +1) the host copies a load reads: each group's page at `indices` (the
+        pages missing on the GPU) and every Mamba group's state at `state_at` (None: the state
+        is on the GPU). Returns ``([(index, gid, host page)], [(gid, host slot)])``."""
+        host_pmaps, host_smaps = self.arena.pages.cached_block_hash_to_block, self.arena.slots.cached_block_hash_to_block
+        pages: list[tuple[int, int, KVCacheBlock]] = []
+        for i in indices:
+            for gid in self.page_gids:
+                b = first_copy(host_pmaps.get(gid), hashes[i])
+                if b is not None:
+                    pages.append((i, gid, b))
+        states: list[tuple[int, KVCacheBlock]] = []
+        if state_at is not None:
+            for gid in self.state_gids:
+                b = first_copy(host_smaps.get(gid), hashes[state_at])
+                assert b is not None, f"no host state at page {state_at}"
+                states.append((gid, b))
+        self.arena.pages.touch([b for _, _, b in pages])
+        self.arena.slots.touch([b for _, b in states])
+        return pages, states
+
+    def unpin(self, pages: Sequence[KVCacheBlock], slots: Sequence[KVCacheBlock]) -> None:
+        """Release a load's pins (its blocks stay cached: the host keeps the unit)."""
+        self.arena.slots.free_blocks(list(slots))
+        self.arena.pages.free_blocks(list(pages))
+
+    def check_invariants(self) -> None:
+        """The host arena's and its units' invariants; stores only name blocks of their kind."""
+        self.arena.check_invariants()
+        self.units.check_invariants()
+        g = self.geometry
+        for t in self.stores:
+            limit = g.num_pages if t.kind is BlockKind.PAGE else g.num_superblocks
+            assert t.src_tier is Tier.GPU and t.dst_tier is Tier.HOST and 0 < t.dst_block < limit
