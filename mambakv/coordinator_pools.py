@@ -16,8 +16,8 @@ from mambakv.core.block_pool import BlockPool
 from mambakv.core.errors import InvalidRequestError, InvalidSpecError, InvalidTokenCountError, as_count
 from mambakv.core.events import KVCacheEvent
 from mambakv.core.eviction import EvictionPolicy, make_eviction_policy
-from mambakv.core.modes import MambaCacheMode
 from mambakv.core.host_tier import HostTier
+from mambakv.core.modes import MambaCacheMode
 from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheConfig, KVCacheSpec, MambaSpec
 from mambakv.core.units import UnitIndex

@@ -1,14 +1,15 @@
 """What the host tier hands the engine: transfers between GPU and host memory, as plans.
 
-A transfer copies one block's bytes between the tiers. Page ids and state slot ids keep the
-device layout's meaning on both sides (the host arena mirrors it: :mod:`mambakv.device.host_arena`),
-so a transfer is ``(src_tier, src_block, dst_tier, dst_block)`` plus its kind, group and bytes::
+A transfer copies one block's bytes between the tiers. Each tier has its own id space (GPU ids:
+the device pools'; host ids: the host arena's), but the bytes of a page or a state slot are laid
+out alike on both (the host arena mirrors the device layout: :mod:`mambakv.device.host_arena`), so
+a transfer is ``(src_tier, src_block, dst_tier, dst_block)`` plus its kind, group and bytes::
 
     TransferPlan(stores=(Transfer(GPU, 17, HOST, 3, 65536, PAGE, 0),     D2H: write GPU page 17
                          Transfer(GPU, 5, HOST, 9, 39518208, STATE, 1)),  to host page 3, ...
                  loads=(LoadPlan("r7", (Transfer(HOST, 3, GPU, 40, ...), ...), 65536, 64),))
 
-Order (the contract an engine follows, on one side stream is enough): run a plan's ``stores``
+Order (the contract an engine follows; one side stream is enough): run a plan's ``stores``
 before anything of the same step writes GPU memory (its copies and its forward: a store may read
 a block this step's allocation just evicted), then its ``loads``; run plans in the order they were
 taken. A load's destination blocks are held for its request; call
@@ -91,4 +92,5 @@ EMPTY_TRANSFER_PLAN = TransferPlan((), ())
 
 def transfer_pairs(transfers: tuple[Transfer, ...] | list[Transfer], kind: BlockKind) -> list[tuple[int, int]]:
     """``(src_block, dst_block)`` of the transfers of `kind`, in order (one batched copy per kind)."""
-    return [(t.src_block, t.dst_block) for t in transfers if t.kind is kind]
+    kind = BlockKind(kind)
+    return [(t.src_block, t.dst_block) for t in transfers if BlockKind(t.kind) is kind]
