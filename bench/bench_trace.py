@@ -80,3 +80,28 @@ def test_trace_3000_conversation_by_eviction(benchmark, eviction):
     benchmark.extra_info.update(hit_rate=d["hit_rate"], library_s=d["library_s"], steps=d["steps"],
                                 library_us_per_step=d["library_us_per_step"], unit_evictions=d["eviction"]["evictions"],
                                 ghost_hits=d["eviction"]["ghost_hits"], py_ref_ms=py_ref_ms())
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="trace absent: ../shared/traces/conversation_trace.jsonl")
+@pytest.mark.parametrize("host", [None, "through", "evict"])
+def test_trace_3000_conversation_by_host_tier(benchmark, host):
+    """Issue 17's figures: a 256 GiB host tier under the 60 GiB decoupled GPU tier (conversation
+    replay, one at a time, 3000 requests). Targets: ``hit_rate`` (GPU + host) >= 0.23; the
+    library time with the tier within 1.5x of the same run without one (compare the rows'
+    ``library_us_per_step``)."""
+    results = []
+
+    def run():
+        results.append(run_trace(TRACE, limit=NUM_REQUESTS, memory_gib=60.0, one_at_a_time=True,
+                                 replay="conversation", layout="decoupled",
+                                 host_memory_gib=None if host is None else 256.0, host_write=host or "through"))
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    d = results[-1].to_dict()
+    assert d["blocks_returned"] and d["finished"] == NUM_REQUESTS
+    if host is not None:
+        assert d["hit_rate"] >= 0.23 and d["host"]["aborted_loads"] == 0
+    benchmark.extra_info.update(hit_rate=d["hit_rate"], hit_rate_host=d.get("hit_rate_host", 0.0),
+                                library_s=d["library_s"], steps=d["steps"],
+                                library_us_per_step=d["library_us_per_step"], bytes_h2d=d.get("bytes_h2d", 0),
+                                bytes_d2h=d.get("bytes_d2h", 0), py_ref_ms=py_ref_ms())

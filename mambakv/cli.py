@@ -31,6 +31,7 @@ from mambakv.cli_args import (
     PROBABILITY,
     Parser,
     add_eviction_arguments,
+    add_host_arguments,
     add_oracle_argument,
     check_eviction_arguments,
     progress,
@@ -101,6 +102,7 @@ def _add_common(p: argparse.ArgumentParser, *, in_flight: int, spec_tokens: int)
     p.add_argument("--seed", type=COUNT, default=0,
                    help="seed of the random prompts, outputs and draft acceptance (default 0)")
     add_eviction_arguments(p)
+    add_host_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--plot", metavar="PNG", default=None,
@@ -204,7 +206,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                   acceptance_rate=args.acceptance_rate, step_ms=args.step_ms, ms_per_token=args.ms_per_token,
                   mamba_policy=_mamba_policy(args), layout=args.layout, page_tokens=args.page_tokens,
                   placement=args.placement.split(",") if args.placement else None,
-                  eviction=args.eviction, hazard_table=args.hazard_table)
+                  eviction=args.eviction, hazard_table=args.hazard_table, host_memory_gib=args.host_memory_gib,
+                  host_write=args.host_write, h2d_gbps=args.h2d_gbps)
     check_eviction_arguments(args)
     bar = None
     specs: list[RequestSpec] | None = None

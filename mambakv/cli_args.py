@@ -63,6 +63,19 @@ def progress(total: int, quiet: bool) -> Any:
     return tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
 
 
+def add_host_arguments(p: argparse.ArgumentParser) -> None:
+    """``--host-memory-gib``, ``--host-write``, ``--h2d-gbps`` (a host tier; block ids only)."""
+    p.add_argument("--host-memory-gib", type=POSITIVE, default=None, metavar="GIB",
+                   help="a host-memory tier of GIB GiB holding evicted or freed units (a state and its pages); "
+                        "block ids only, no host memory is allocated (default: none)")
+    p.add_argument("--host-write", choices=("through", "evict"), default="through",
+                   help="when units go to the host tier: through (when a request is freed; default) or evict "
+                        "(when the GPU tier evicts them; --layout decoupled)")
+    p.add_argument("--h2d-gbps", type=POSITIVE, default=25.0, metavar="GBPS",
+                   help="host-to-GPU bandwidth in GB/s: a request whose hit needs a load waits for it on the "
+                        "simulated clock (default 25)")
+
+
 def add_eviction_arguments(p: argparse.ArgumentParser) -> None:
     """``--eviction``, ``--hazard-table``, ``--save-hazard-table`` (decoupled layout)."""
     p.add_argument("--eviction", choices=("reuse", "lru"), default=None,

@@ -123,7 +123,6 @@ class KVCacheCoordinator(CoordinatorHost, CoordinatorResults, CoordinatorQueries
         if self.host is not None and self.host.write is HostWrite.EVICT and self.units is not None:
             self.units.before_evict = self._store_evicted
         self._loads = {}
-        self._load_plans = []
         #: seconds: the engine's clock, the latest ``now`` given to allocate / free (ages of units)
         self.now = 0.0
         #: the managers that run a policy (groups with one Mamba spec share the first one's)

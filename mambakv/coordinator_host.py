@@ -28,7 +28,7 @@ from mambakv.core.eviction import make_eviction_policy
 from mambakv.core.host_tier import HostTier, HostTierSpec, HostWrite, first_copy
 from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheConfig
-from mambakv.core.transfers import BlockKind, LoadPlan, Tier, Transfer, TransferPlan
+from mambakv.core.transfers import EMPTY_TRANSFER_PLAN, BlockKind, LoadPlan, Tier, Transfer, TransferPlan
 from mambakv.core.unit_types import Unit
 from mambakv.core.units import UnitIndex
 from mambakv.groups import GroupKind, SingleTypeKVCacheManager
@@ -96,7 +96,6 @@ class CoordinatorHost:
     now: float
     prefix_cache_stats: PrefixCacheStats
     _loads: dict[str, _Load]
-    _load_plans: list[LoadPlan]
 
     if TYPE_CHECKING:  # CoordinatorQueries'
         def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]: ...
@@ -158,7 +157,12 @@ class CoordinatorHost:
                     missing.append((i, gid))
                 else:
                     held.append(b)
+        host_pmaps = host.arena.pages.cached_block_hash_to_block
+        if any(first_copy(host_pmaps.get(gid), hashes[i]) is None for i, gid in missing):
+            return None  # a page in neither tier (``find`` assumed prefix-closed tiers): no load
         state_on_gpu = host.gpu_state(hashes[last])
+        if not state_on_gpu and not host.host_state(hashes[last]):
+            return None
         held_states = [first_copy(gpu_smaps.get(gid), hashes[last]) for gid in host.state_gids] if state_on_gpu else []
         num_slots = 0 if state_on_gpu else len(host.state_gids)
         if not self._gpu_room(len(missing), num_slots, held, held_states):  # type: ignore[arg-type]
@@ -193,7 +197,7 @@ class CoordinatorHost:
         self._loads[request.request_id] = _Load(
             request, hashes, num_gpu_tokens, held, held_states, page_dst, state_dst,  # type: ignore[arg-type]
             ([hb for _, _, hb in host_pages], [hb for _, hb in host_slots]), plan)
-        self._load_plans.append(plan)
+        host.loads.append(plan)
         s = host.stats
         s.loads += 1
         s.bytes_h2d += plan.num_bytes
@@ -250,10 +254,11 @@ class CoordinatorHost:
     def take_transfer_plan(self) -> TransferPlan:
         """Drain the host tier's transfers since the last drain: stores first, then the loads
         started (order contract in :mod:`mambakv.core.transfers`)."""
-        if self.host is None:
-            return TransferPlan((), ())
-        plan = TransferPlan(tuple(self.host.take_stores()), tuple(self._load_plans))
-        self._load_plans = []
+        host = self.host
+        if host is None or not (host.stores or host.loads):
+            return EMPTY_TRANSFER_PLAN  # the common step: one shared empty plan
+        plan = TransferPlan(tuple(host.take_stores()), tuple(host.loads))
+        host.loads = []
         return plan
 
     # ------------------------------------------------------------------ hooks of the coordinator's calls
@@ -266,13 +271,16 @@ class CoordinatorHost:
         if not load.done:
             host.unpin(*load.host_blocks)
             host.stats.aborted_loads += 1
-            self._load_plans = [p for p in self._load_plans if p.request_id != request_id]
+            host.loads = [p for p in host.loads if p.request_id != request_id]
         elif admitted_tokens is not None:
             self.prefix_cache_stats.host_hits += max(0, min(admitted_tokens, load.num_gpu_tokens + load.plan.num_tokens)
                                                      - load.num_gpu_tokens)
         self.state_block_pool.free_blocks(load.held_states + [b for _, b in load.new_states])
         self.block_pool.free_blocks(load.held_pages + [b for _, _, b in load.new_pages])
-        if load.done and self.units is not None:
+        loaded = [b for _, _, b in load.new_pages] + [b for _, b in load.new_states]
+        if load.done and self.units is not None and any(not b.ref_cnt for b in loaded):
+            # loaded blocks no table took (the engine admitted a shorter hit, or none): they
+            # join the GPU units now; the ones in the request's tables register at its free
             maps = self.block_pool.cached_block_hash_to_block
             tables = [[first_copy(maps.get(gid), k) for k in load.hashes] for gid in host.page_gids]
             request = load.request
@@ -292,7 +300,25 @@ class CoordinatorHost:
         host = self.host
         assert host is not None
         hashes = group_block_hashes(request, host.page_tokens)
-        _, positions = host.gpu_checkpoints(hashes)
+        units = self.units
+        if units is None:  # unified: walk the GPU maps
+            _, positions = host.gpu_checkpoints(hashes)
+        else:  # decoupled: the chain's GPU units, from its deepest node up (nodes are a prefix)
+            nodes = units.nodes
+            lo, hi = 0, len(hashes)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if hashes[mid - 1] in nodes:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            positions = []
+            node = nodes[hashes[lo - 1]] if lo else None
+            while node is not None:
+                if node.unit is not None:
+                    positions.append(node.index)
+                node = node.parent
+            positions.reverse()
         if positions:
             host.store_chain(hashes, positions, now=self.now, retain=request.retain,
                              prompt_tokens=request.num_prompt_tokens)

@@ -141,6 +141,7 @@ class CoordinatorPools:
         if host is not None:
             host.units.clear()
             host.stores.clear()
+            host.loads.clear()
         return ok
 
     @property

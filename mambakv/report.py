@@ -81,6 +81,12 @@ def format_report(d: dict[str, Any]) -> str:
         lines.append(f"eviction {ev['policy']}{warm}: {ev['evictions']:,} units evicted, {ev['cascade_evictions']:,} by "
                      f"cascade; {ev['tail_pages']:,} tail pages dropped; {ev['reuses']:,} leaf reuses; ghost hits "
                      f"{ev['ghost_hits']:,} ({ev['ghost_hit_tokens']:,} tokens they would have added)")
+    host = d.get("host")  # a host tier (--host-memory-gib)
+    if isinstance(host, dict):
+        lines.append(f"host tier {host['total_bytes'] / 2**30:,.1f} GiB ({host['write']}): hit rate gpu "
+                     f"{d['hit_rate_gpu']:.4f} + host {d['hit_rate_host']:.4f}; {host['loads']:,} loads "
+                     f"({d['bytes_h2d'] / 2**30:,.2f} GiB h2d, {host['load_ms'] / 1e3:,.2f} s), {host['stores']:,} stores "
+                     f"({d['bytes_d2h'] / 2**30:,.2f} GiB d2h), {host['skipped_stores']:,} skipped")
     lines.append(f"steps {d['steps']:,}; simulated {d['sim_clock_ms'] / 1e3:,.2f} s; wall {d['wall_s']:.2f} s, "
                  f"in the library {d['library_s'] * 1e3:,.1f} ms ({d['library_us_per_step']:.1f} us/step)")
     return "\n".join(lines)

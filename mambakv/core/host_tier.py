@@ -26,7 +26,7 @@ written only by a store of the plan that allocated it, and read only by a load w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -37,7 +37,7 @@ from mambakv.core.errors import InvalidSpecError, as_count
 from mambakv.core.eviction import EvictionPolicy
 from mambakv.core.prefix_map import MapEntry
 from mambakv.core.retention import NORMAL_RETENTION, Retention
-from mambakv.core.transfers import BlockKind, Tier, Transfer
+from mambakv.core.transfers import BlockKind, LoadPlan, Tier, Transfer
 
 __all__ = ["HostStats", "HostTier", "HostTierSpec", "HostWrite", "first_copy"]
 
@@ -115,6 +115,13 @@ class HostStats:
     by_write: dict[str, int] = field(default_factory=dict)
 
 
+def _copies_of(m: dict[bytes, MapEntry] | None, keys: Sequence[bytes]) -> list[KVCacheBlock | None]:
+    """``first_copy(m, k)`` for each of `keys` (the map lookups in one C-level pass)."""
+    if m is None:
+        return [None] * len(keys)
+    return [e if type(e) is not dict else next(iter(e.values())) for e in map(m.get, keys)]  # type: ignore[misc]
+
+
 def first_copy(m: dict[bytes, MapEntry] | None, key: bytes) -> KVCacheBlock | None:
     """One block cached under `key` in a group's map (a hash may have several copies), or None."""
     e = m.get(key) if m is not None else None
@@ -145,8 +152,10 @@ class HostTier:
         self.page_gids, self.state_gids = tuple(page_gids), tuple(state_gids)
         self.page_tokens, self.write = page_tokens, write
         self.stats = HostStats()
-        #: GPU -> HOST transfers planned since the last ``take_stores``
+        #: GPU -> HOST transfers planned since the last ``take_stores`` (drained by the
+        #: coordinator's ``take_transfer_plan``, with the loads started since)
         self.stores: list[Transfer] = []
+        self.loads: list[LoadPlan] = []
 
     # ------------------------------------------------------------------ lookups
     def _present(self, pool: BlockPool, gids: tuple[int, ...], key: bytes) -> bool:
@@ -169,18 +178,34 @@ class HostTier:
     def host_state(self, key: bytes) -> bool:
         return self._present(self.arena.slots, self.state_gids, key)
 
+    def _bisect(self, present: Callable[[bytes], bool], hashes: Sequence[bytes], upto: int) -> int:
+        """The longest prefix of ``hashes[:upto]`` for which `present` holds: a tier's cached pages
+        are prefix-closed along a chain (a free cached page is a node of its unit tree, whose
+        parent is the page before it; a running request holds all its pages from the first)."""
+        lo, hi = 0, upto
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if present(hashes[mid - 1]):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def host_prefix(self, hashes: Sequence[bytes], upto: int) -> int:
+        """Pages of ``hashes[:upto]`` the host holds, from the root (bisected)."""
+        return self._bisect(self.host_page, hashes, upto)
+
     def find(self, hashes: Sequence[bytes], max_pages: int) -> int:
         """Pages of the deepest hit over both tiers within ``hashes[:max_pages]``: every page up to
         it cached in the GPU or the host tier (each group's copy in one of them), a state in every
         Mamba group at its last page in one tier. 0: none."""
-        best = 0
-        for i in range(min(max_pages, len(hashes))):
+        upto = min(max_pages, len(hashes))
+        n = max(self._bisect(self.gpu_page, hashes, upto), self.host_prefix(hashes, upto))
+        for i in range(n - 1, -1, -1):  # the deepest state: a chain's checkpoints sit near its end
             key = hashes[i]
-            if not (self.gpu_page(key) or self.host_page(key)):
-                break
             if self.gpu_state(key) or self.host_state(key):
-                best = i + 1
-        return best
+                return i + 1
+        return 0
 
     def gpu_checkpoints(self, hashes: Sequence[bytes]) -> tuple[int, list[int]]:
         """``(pages, positions)``: the GPU-cached prefix of `hashes` in pages and the page indices
@@ -200,60 +225,61 @@ class HostTier:
                     retain: Retention = NORMAL_RETENTION, prompt_tokens: int = 0) -> bool:
         """Plan the stores that put the checkpoints at page indices `positions` of the chain
         `hashes` (GPU-cached up to the deepest one) in the host tier, with the pages up to them;
-        what the host has already is skipped. Host units may be evicted to make room (the chain's
-        own host pages are pinned meanwhile). Returns False when nothing could be stored (no room:
-        every host block pinned, or a chain larger than the budget)."""
-        positions = [i for i in positions if not self.host_state(hashes[i])]
+        what the host has already is skipped. Host units may be evicted to make room; the
+        deepest page the host already holds is pinned meanwhile, which keeps every page above it
+        (pruning climbs from a leaf). Returns False when nothing could be stored (no room: every
+        host block pinned, or a chain larger than the budget)."""
+        positions = sorted(i for i in positions if not self.host_state(hashes[i]))
         if not positions:
             return True
-        upto = max(positions) + 1
-        arena, units = self.arena, self.units
+        upto = positions[-1] + 1
+        arena = self.arena
         host_maps, gpu_pmaps = arena.pages.cached_block_hash_to_block, self.gpu_pages.cached_block_hash_to_block
         gpu_smaps = self.gpu_slots.cached_block_hash_to_block
-        pinned: list[KVCacheBlock] = []
-        new_pages: list[tuple[int, int, KVCacheBlock]] = []  # (index, gid, GPU source)
-        for i in range(upto):
-            key = hashes[i]
-            for gid in self.page_gids:
-                have = first_copy(host_maps.get(gid), key)
-                if have is not None:
-                    pinned.append(have)
-                    continue
-                src = first_copy(gpu_pmaps.get(gid), key)
-                assert src is not None, f"page {i} of a stored chain is not on the GPU"
-                new_pages.append((i, gid, src))
-        new_states = [(i, gid, first_copy(gpu_smaps.get(gid), hashes[i])) for i in positions for gid in self.state_gids]
-        arena.pages.touch(pinned)
-        ok = arena.can_supply(len(new_pages), len(new_states))
+        known = self.host_prefix(hashes, upto)
+        pinned = [first_copy(host_maps.get(gid), hashes[known - 1]) for gid in self.page_gids] if known else []
+        sources = [_copies_of(gpu_pmaps.get(gid), hashes[known:upto]) for gid in self.page_gids]
+        states = [[first_copy(gpu_smaps.get(gid), hashes[i]) for i in positions] for gid in self.state_gids]
+        assert all(b is not None for col in sources + states for b in col), "a stored unit is not on the GPU"
+        num_pages, num_slots = (upto - known) * len(self.page_gids), len(positions) * len(self.state_gids)
+        arena.pages.touch(pinned)  # type: ignore[arg-type]
+        ok = arena.can_supply(num_pages, num_slots)
         if ok:
-            arena.make_room(len(new_pages), len(new_states))
-            ok = arena.pages.get_num_free_blocks() >= len(new_pages)
+            arena.make_room(num_pages, num_slots)
+            ok = arena.pages.get_num_free_blocks() >= num_pages
         if not ok:
-            arena.pages.free_blocks(pinned)
+            arena.pages.free_blocks(pinned)  # type: ignore[arg-type]
             arena.settle()
             self.stats.skipped_stores += 1
             return False
-        page_blocks = arena.pages.get_new_blocks(len(new_pages))
-        slot_blocks = arena.slots.get_new_blocks(len(new_states))
-        g = self.geometry
-        for (i, gid, src), hb in zip(new_pages, page_blocks):
-            arena.pages.cache_full_blocks([hb], [hashes[i]], gid)
-            self.stores.append(Transfer(Tier.GPU, src.block_id, Tier.HOST, hb.block_id, g.page_bytes, BlockKind.PAGE, gid))
-        for (i, gid, src), hb in zip(new_states, slot_blocks):
-            assert src is not None, f"state {i} of a stored chain is not on the GPU"
-            arena.slots.cache_full_blocks([hb], [hashes[i]], gid)
-            self.stores.append(Transfer(Tier.GPU, src.block_id, Tier.HOST, hb.block_id, g.state_bytes, BlockKind.STATE, gid))
-        tables = [[first_copy(host_maps.get(gid), hashes[i]) for i in range(upto)] for gid in self.page_gids]
+        g, stores = self.geometry, self.stores
+        tables: list[list[KVCacheBlock]] = []
+        for gid, col in zip(self.page_gids, sources):
+            dst = arena.pages.get_new_blocks(len(col))
+            arena.pages.cache_full_blocks(dst, hashes[known:upto], gid)
+            new = tuple.__new__  # a Transfer without NamedTuple's Python-level __new__: one per stored page
+            stores.extend([new(Transfer, (Tier.GPU, src.block_id, Tier.HOST, hb.block_id, g.page_bytes,  # type: ignore[union-attr]
+                                          BlockKind.PAGE, gid)) for src, hb in zip(col, dst)])
+            tables.append(dst)
+        slot_blocks: list[KVCacheBlock] = []
+        for gid, col in zip(self.state_gids, states):
+            dst = arena.slots.get_new_blocks(len(col))
+            arena.slots.cache_full_blocks(dst, [hashes[i] for i in positions], gid)
+            stores.extend([Transfer(Tier.GPU, src.block_id, Tier.HOST, hb.block_id, g.state_bytes,  # type: ignore[union-attr]
+                                    BlockKind.STATE, gid) for src, hb in zip(col, dst)])
+            slot_blocks.extend(dst)
         arena.slots.free_blocks(slot_blocks)
-        arena.pages.free_blocks(pinned + page_blocks)
-        units.register(hashes[:upto], tables, retain=retain, arrival=now,  # type: ignore[arg-type]
-                       prompt_tokens=prompt_tokens, parent=None, now=now)
+        arena.pages.free_blocks([b for t in tables for b in reversed(t)] + pinned)  # type: ignore[operator]
+        # the walk must pass every new state: one above the known prefix (its pages were stored
+        # by a deeper chain first) makes it start there
+        self.units.add_chain(hashes, min(known, positions[0]), positions, retain=retain, now=now,
+                             prompt_tokens=prompt_tokens)
         arena.settle()
         s = self.stats
         s.stores += 1
-        s.stored_pages += len(new_pages)
-        s.stored_states += len(new_states)
-        s.bytes_d2h += len(new_pages) * g.page_bytes + len(new_states) * g.state_bytes
+        s.stored_pages += num_pages
+        s.stored_states += num_slots
+        s.bytes_d2h += num_pages * g.page_bytes + num_slots * g.state_bytes
         return True
 
     def take_stores(self) -> list[Transfer]:

@@ -22,19 +22,31 @@ from mambakv.core.unit_types import Node, Unit, unit_class
 if TYPE_CHECKING:
     from mambakv.core.units import UnitIndex
 
-__all__ = ["register_chain"]
+__all__ = ["add_chain", "register_chain"]
+
+
+def _partial(key: bytes, others: list[dict[bytes, object]]) -> bool:
+    """`key` has a state in one of the Mamba groups after the first (a plain loop: hot)."""
+    for m in others:
+        if key in m:
+            return True
+    return False
 
 
 def register_chain(ix: UnitIndex, hashes: Sequence[bytes], tables: Sequence[Sequence[KVCacheBlock]], *,
-                   retain: Retention, arrival: float, prompt_tokens: int, parent: Unit | None, now: float) -> None:
-    """See the module docstring and ``UnitIndex.register``."""
-    n = min(len(hashes), min((len(t) for t in tables), default=0))
+                   retain: Retention, arrival: float, prompt_tokens: int, parent: Unit | None, now: float,
+                   start: int = 0) -> None:
+    """See the module docstring and ``UnitIndex.register``. `start`: ``hashes[:start]`` are
+    nodes already (a host tier's known prefix); ``tables[g][j]`` is then the block at
+    ``start + j`` and the walk begins at `start`."""
+    n = min(len(hashes), start + min((len(t) for t in tables), default=0))
     nodes, policy = ix.nodes, ix.policy
+    assert start == 0 or hashes[start - 1] in nodes, "a known prefix must be nodes"
     # The whole chain is walked, its hit included: while the request ran, a unit on its hit may
     # have been evicted (its state freed by retirement) and another request may have published
     # a state there again; skipping the hit missed that (found by the fuzzer).
     # The reachable prefix: every page cached in every full-attention group.
-    i = 0
+    i = start
     if len(ix.page_gids) == 1:  # one full-attention group: one map
         pm = ix.pages.cached_block_hash_to_block.get(ix.page_gids[0]) or {}
         while i < n and hashes[i] in pm:
@@ -45,28 +57,35 @@ def register_chain(ix: UnitIndex, hashes: Sequence[bytes], tables: Sequence[Sequ
             i += 1
     state_maps = ix.slots.cached_block_hash_to_block
     first = state_maps.get(ix.state_gids[0]) or {}
-    others = [m for m in (state_maps.get(g) for g in ix.state_gids[1:]) if m]  # a partial state may miss the first
+    others: list[dict[bytes, object]] = [m for m in (state_maps.get(g) for g in ix.state_gids[1:]) if m]  # type: ignore[misc]  # a partial state may miss the first
     if i < n:  # past a gap nothing is reachable: drop the request's own free pages and free states
-        lost = [b for t in tables for b in t[i:] if b.block_hash is not None and not b.ref_cnt and not b.is_null]
+        lost = [b for t in tables for b in t[i - start:] if b.block_hash is not None and not b.ref_cnt and not b.is_null]
         if lost:
             ix.pages.drop_cached(lost)
             ix.stats.tail_pages += len(lost)
         for key in hashes[i:]:
-            if (key in first or any(key in m for m in others)) and key not in nodes:
+            if (key in first or _partial(key, others)) and key not in nodes:
                 ix._drop(ix.slots, ix.state_gids, key)
     n = i
     # the deepest checkpoint
     state_present = ix.state_present
     d = n - 1
-    while d >= 0 and not (hashes[d] in first and state_present(hashes[d])):
+    while d >= start and not (hashes[d] in first and state_present(hashes[d])):
         d -= 1
+    if d < start:  # no new checkpoint: the new pages are a tail
+        d = start - 1
     depth = parent.depth + 1 if parent is not None else 1
     gap = arrival - parent.arrival if parent is not None else None
     cls = unit_class(depth, gap, prompt_tokens)
-    prev: Node | None = None
+    prev: Node | None = nodes[hashes[start - 1]] if start else None
     last_unit: Unit | None = None
-    last_index = -1
-    for i in range(d + 1):
+    last_index = -1  # the chain's previous checkpoint (a unit's pages are those since it)
+    up = prev
+    while up is not None and up.unit is None:
+        up = up.parent
+    if up is not None:
+        last_index = up.index
+    for i in range(start, d + 1):
         key = hashes[i]
         node = nodes.get(key)
         if node is None:
@@ -76,15 +95,22 @@ def register_chain(ix: UnitIndex, hashes: Sequence[bytes], tables: Sequence[Sequ
                     prev.add_child(node, policy)  # a leaf unit gets a child: out of the leaf queues
                 else:
                     prev.children[key] = node
-        if key in first and state_present(key):
-            unit = node.unit
-            if unit is None:
-                unit = node.unit = Unit(key, node, cls, retain, now, i - last_index, depth, arrival)
-            else:
-                _touch(unit, retain, now, policy)
-            last_unit, last_index = unit, i
-        elif (key in first or any(key in m for m in others)) and ix._drop(ix.slots, ix.state_gids, key):
-            ix.stats.partial_states += 1  # part of a state (one group's was evicted): it never hits
+        if key in first:
+            if state_present(key):
+                unit = node.unit
+                if unit is None:
+                    unit = node.unit = Unit(key, node, cls, retain, now, i - last_index, depth, arrival)
+                else:
+                    _touch(unit, retain, now, policy)
+                last_unit, last_index = unit, i
+            elif ix._drop(ix.slots, ix.state_gids, key):
+                ix.stats.partial_states += 1  # part of a state (one group's was evicted): it never hits
+        else:
+            for m in others:  # inline: once per page of every chain
+                if key in m:
+                    if ix._drop(ix.slots, ix.state_gids, key):
+                        ix.stats.partial_states += 1
+                    break
         prev = node
     if last_unit is not None:
         last_unit.prompt_end = True
@@ -96,7 +122,7 @@ def register_chain(ix: UnitIndex, hashes: Sequence[bytes], tables: Sequence[Sequ
         if node is not None:
             prev = node
             continue
-        if (key in first or any(key in m for m in others)) and ix._drop(ix.slots, ix.state_gids, key):
+        if (key in first or _partial(key, others)) and ix._drop(ix.slots, ix.state_gids, key):
             ix.stats.partial_states += 1
         ix._free_copies(ix.pages, ix.page_gids, key, blocks)
     if blocks:
@@ -111,3 +137,41 @@ def _touch(unit: Unit, retain: Retention, now: float, policy: object) -> None:
     unit.last_use = now
     if unit.leaf:
         policy.touch(unit)  # type: ignore[attr-defined]
+
+
+def add_chain(ix: UnitIndex, hashes: Sequence[bytes], start: int, positions: Sequence[int], *,
+              retain: Retention, now: float, prompt_tokens: int) -> None:
+    """A host tier's store (``UnitIndex.add_chain``): every page of ``hashes[:positions[-1] + 1]``
+    is cached, ``hashes[:start]`` are nodes, and the new states are exactly at `positions`
+    (ascending, >= `start`, none a unit yet). The lean path of ``register_chain``: no presence
+    checks, no tails (the chain ends at its deepest state)."""
+    nodes, policy = ix.nodes, ix.policy
+    prev: Node | None = nodes[hashes[start - 1]] if start else None
+    last_index = -1
+    up = prev
+    while up is not None and up.unit is None:
+        up = up.parent
+    if up is not None:
+        last_index = up.index
+    cls = unit_class(1, None, prompt_tokens)
+    unit: Unit | None = None
+    j = start  # the next page to make a node of
+    for p in positions:
+        while j <= p:
+            key = hashes[j]
+            node = nodes.get(key)
+            if node is None:
+                node = nodes[key] = Node(key, prev, j)
+                if prev is not None:
+                    if prev.unit is not None and not prev.children:
+                        prev.add_child(node, policy)  # a leaf unit gets a child: out of the leaf queues
+                    else:
+                        prev.children[key] = node
+            prev = node
+            j += 1
+        assert prev is not None and prev.unit is None, f"page {p} is a unit already"
+        unit = prev.unit = Unit(prev.key, prev, cls, retain, now, p - last_index, 1, now)
+        last_index = p
+    if unit is not None:
+        unit.prompt_end = True
+        ix.prune(unit.node)  # type: ignore[arg-type]  # the deepest unit becomes a leaf

@@ -143,14 +143,23 @@ class UnitIndex:
         return parent
 
     def register(self, hashes: Sequence[bytes], tables: Sequence[Sequence[KVCacheBlock]], *, retain: Retention,
-                 arrival: float, prompt_tokens: int, parent: Unit | None, now: float) -> None:
+                 arrival: float, prompt_tokens: int, parent: Unit | None, now: float, start: int = 0) -> None:
         """A request was freed: add its chain (`hashes`, its full-attention `tables`) to the tree,
         make units of the checkpoints on it, drop its pages past the deepest one
-        (:func:`mambakv.core.unit_register.register_chain`)."""
+        (:func:`mambakv.core.unit_register.register_chain`; `start`: ``hashes[:start]`` are
+        nodes already and ``tables`` begin at `start`)."""
         from mambakv.core.unit_register import register_chain
         self.now = now
         register_chain(self, hashes, tables, retain=retain, arrival=arrival, prompt_tokens=prompt_tokens,
-                       parent=parent, now=now)
+                       parent=parent, now=now, start=start)
+
+    def add_chain(self, hashes: Sequence[bytes], start: int, positions: Sequence[int], *, retain: Retention,
+                  now: float, prompt_tokens: int) -> None:
+        """A store into this (host) tier: nodes from `start` and units at `positions` of a chain
+        whose pages and states were just cached (:func:`mambakv.core.unit_register.add_chain`)."""
+        from mambakv.core.unit_register import add_chain
+        self.now = now
+        add_chain(self, hashes, start, positions, retain=retain, now=now, prompt_tokens=prompt_tokens)
 
     # ------------------------------------------------------------------ eviction
     def evict_unit(self, unit: Unit, *, chosen: bool = True) -> tuple[int, int]:

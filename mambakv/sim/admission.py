@@ -4,6 +4,7 @@ The waiting queue is FCFS; a request is admitted while the step has budget left 
 ``max_num_seqs`` run::
 
     hash the prompt once (timed apart: SimMetrics.hash_s)
+    host tier, first lookup: get_computed_blocks_tiered -> a load: wait for it (Scheduler.loading)
     hits, hit = get_computed_blocks(request)
     reserve_full_prompt and others run and the whole prompt does not fit  -> stop admitting
     n = next_chunk_end(request, budget, num_computed_tokens=hit) - hit   (the placement's rules;
@@ -59,6 +60,8 @@ class Admission:
     align: int
     next_chunk: Callable[[Request, int, int], int]  # Scheduler.next_chunk
     now_s: Callable[[], float]  # Scheduler.now_s
+    h2d_gbps: float
+    loading: list[tuple[float, SimRequest]]
 
     def _timed_allocate(self, req: Request, n: int, *, num_draft_tokens: int, num_new_computed_tokens: int = 0,
                         new_computed_blocks: KVCacheBlocks | None = None) -> KVCacheBlocks | None:
@@ -95,10 +98,18 @@ class Admission:
                 req.set_hash_block_size(coord.hash_block_size)
                 req.block_hashes  # noqa: B018 - computes and keeps the hashes
                 mt.hash_s += _now() - t
-            t = _now()
-            hits, hit = coord.get_computed_blocks(req)
-            mt.library_s += _now() - t
-            mt.library_calls += 1
+            looked_up = None
+            if coord.host is not None and not sreq.tiered:
+                looked_up = self._start_load(sreq)
+                if looked_up is None:
+                    continue  # it waits for its host-tier load (Scheduler.loading)
+            if looked_up is not None:  # the tiered lookup's GPU part is get_computed_blocks'
+                hits, hit = looked_up
+            else:
+                t = _now()
+                hits, hit = coord.get_computed_blocks(req)
+                mt.library_s += _now() - t
+                mt.library_calls += 1
             if self.reserve_full_prompt and self.running and not self._fits(req, hits, hit):
                 break
             n = self.next_chunk(req, hit, budget)
@@ -130,6 +141,25 @@ class Admission:
             batch.append(self._schedule(sreq, n, 0))
             budget -= n
         return budget, grew
+
+    def _start_load(self, sreq: SimRequest) -> tuple[KVCacheBlocks, int] | None:
+        """The host-tier lookup of a new request (``get_computed_blocks_tiered``). When it starts a
+        load, the request leaves the queue until the load's time at ``h2d_gbps`` has passed on
+        the step clock (``Scheduler.loading``), as an engine runs it on a side stream and admits
+        the request once it is done: None. Else its GPU hit ``(blocks, tokens)``."""
+        sreq.tiered = True
+        t = _now()
+        tiered = self.coord.get_computed_blocks_tiered(sreq.request, now=self.now_s())
+        self.metrics.library_s += _now() - t
+        self.metrics.library_calls += 1
+        if tiered.load is None:
+            return tiered.blocks, tiered.num_gpu_tokens
+        self.waiting.popleft()
+        load_ms = tiered.load.num_bytes / (self.h2d_gbps * 1e6)  # bytes / (GB/s) in ms
+        self.metrics.host_loads += 1
+        self.metrics.host_load_ms += load_ms
+        self.loading.append((self.metrics.clock_ms + load_ms, sreq))
+        return None
 
     def _fits(self, req: Request, hits: KVCacheBlocks, hit: int) -> bool:
         """The pool can hold all of `req`'s known tokens (``num_blocks_needed``, the count

@@ -132,6 +132,9 @@ class SimMetrics:
     pool_s: float = 0.0
     wall_s: float = 0.0
     clock_ms: float = 0.0
+    #: host-tier loads started and their simulated time at ``h2d_gbps`` (ms, summed)
+    host_loads: int = 0
+    host_load_ms: float = 0.0
     series: list[tuple[int, float, tuple[int, ...], float]] = field(default_factory=list)
     #: decoupled layout: ``(step, clock_ms, page bytes, state bytes, idle bytes)`` with ``series``
     byte_series: list[tuple[int, float, int, int, int]] = field(default_factory=list)

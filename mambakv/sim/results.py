@@ -41,7 +41,7 @@ class SimRequest:
     """A request in the scheduler: the library's Request plus engine-side progress."""
 
     __slots__ = ("spec", "request", "processed", "generation", "awaiting_output", "admitted",
-                 "finished", "num_outputs", "is_running", "junction", "hit")
+                 "finished", "num_outputs", "is_running", "junction", "hit", "tiered")
 
     def __init__(self, spec: RequestSpec) -> None:
         self.spec = spec
@@ -55,6 +55,7 @@ class SimRequest:
         self.is_running = False
         self.junction = 0           # shared-prefix length to end a prefill chunk at (0: none)
         self.hit = 0                # prefix-hit tokens at the first admission
+        self.tiered = False         # its host-tier lookup was made (once, before its first admission)
 
 
 #: One request's part of a scheduled step: ``(request, its generation when scheduled, tokens
@@ -82,6 +83,9 @@ class ResultProcessor:
         zero = self.coord.take_zero_plan()
         plan = self.coord.take_copy_plan()
         self.coord.take_checkpoint_writes()  # lazy Mamba groups: the kernels' boundary writes (no device here)
+        host = self.coord.host
+        if host is not None and (host.stores or host.loads):
+            self.coord.take_transfer_plan()  # a host tier's stores and loads (block ids only: nothing to copy)
         self.metrics.library_s += _now() - t
         self.metrics.library_calls += 1
         self.metrics.copies += sum(len(p) for p in plan.values())

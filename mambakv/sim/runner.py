@@ -18,9 +18,10 @@ from mambakv.coordinator import KVCacheCoordinator
 from mambakv.core.errors import InvalidSpecError, InvalidTokenCountError
 from mambakv.core.eviction import EvictionPolicy, make_eviction_policy
 from mambakv.core.hazard import HazardTable
+from mambakv.core.host_tier import HostTierSpec
 from mambakv.core.spec import KVCacheConfig, MambaSpec
 from mambakv.models import build_kv_cache_config, load_model
-from mambakv.models.kv_config import DEFAULT_PAGE_TOKENS
+from mambakv.models.kv_config import DEFAULT_PAGE_TOKENS, plan_pages
 from mambakv.sim.causes import HitCauses
 from mambakv.sim.conversation import REPLAY_MODES, chain_hooks, oracle_retention, prepare_replay
 from mambakv.sim.scheduler import Scheduler, SimRequest
@@ -54,7 +55,8 @@ def build_coordinator(model: str | Path = DEFAULT_MODEL, memory_gib: float = 60.
                       max_num_seqs: int = 256, layout: str = "unified",
                       page_tokens: int = DEFAULT_PAGE_TOKENS,
                       placement: Sequence[str] | None = None, eviction: str | None = None,
-                      hazard_table: str | Path | None = None) -> KVCacheCoordinator:
+                      hazard_table: str | Path | None = None, host_memory_gib: float | None = None,
+                      host_write: str = "through") -> KVCacheCoordinator:
     """A coordinator for `model` over `memory_gib` GiB (or exactly `num_blocks` blocks; in the
     decoupled layout, `num_blocks` superblocks).
 
@@ -64,12 +66,14 @@ def build_coordinator(model: str | Path = DEFAULT_MODEL, memory_gib: float = 60.
     unified, ``none`` decoupled). `layout` and `page_tokens`: as ``build_kv_cache_config``;
     `placement`: checkpoint placement rule names (None: the layout's ``DEFAULT_PLACEMENT``).
     `eviction`: ``reuse`` / ``lru`` (None: the layout's, ``reuse`` decoupled); `hazard_table`: a
-    JSON file written by ``save_hazard_table`` to warm-start the reuse policy.
+    JSON file written by ``save_hazard_table`` to warm-start the reuse policy. `host_memory_gib`:
+    a host tier of that many GiB (:class:`~mambakv.core.host_tier.HostTierSpec`, `host_write`
+    ``through`` / ``evict``); it tracks block ids only (no host memory is allocated).
 
     Raises:
         ModelConfigError: unknown model / unreadable config.
         InvalidSpecError: memory not a finite number > 0, fewer than 2 blocks fit, or more
-            than MAX_NUM_BLOCKS blocks.
+            than MAX_NUM_BLOCKS blocks; a bad host tier.
     """
     if isinstance(memory_gib, bool) or not isinstance(memory_gib, (int, float)) or not math.isfinite(memory_gib) \
             or memory_gib <= 0:
@@ -97,8 +101,19 @@ def build_coordinator(model: str | Path = DEFAULT_MODEL, memory_gib: float = 60.
     policy: str | EvictionPolicy | None = eviction
     if hazard_table is not None:
         policy = make_eviction_policy(eviction or "reuse", hazard=HazardTable.load(hazard_table))
+    host = None
+    if host_memory_gib is not None:
+        if isinstance(host_memory_gib, bool) or not isinstance(host_memory_gib, (int, float)) \
+                or not math.isfinite(host_memory_gib * GIB) or host_memory_gib <= 0:
+            raise InvalidSpecError(f"host memory must be a finite number > 0 GiB, got {host_memory_gib!r}")
+        block_bytes = None if cfg.superblocks is not None else plan_pages(load_model(model)).bytes_per_block
+        host = HostTierSpec(int(host_memory_gib * GIB), write=host_write, block_bytes=block_bytes)
+        if host.geometry(cfg.superblocks).num_pages > MAX_NUM_BLOCKS:
+            raise InvalidSpecError(f"a host tier of {host_memory_gib:g} GiB exceeds the simulator's limit of "
+                                   f"{MAX_NUM_BLOCKS:,} blocks")
     coord = KVCacheCoordinator(cfg, max_model_len=max_model_len, enable_caching=enable_caching, use_eagle=use_eagle,
-                               max_num_seqs=max_num_seqs, checkpoint_placement=placement, eviction=policy)
+                               max_num_seqs=max_num_seqs, checkpoint_placement=placement, eviction=policy,
+                               host_tier=host)
     for m in coord.mamba_managers:
         m.spare_may_evict = evict
     return coord
@@ -119,7 +134,9 @@ def _layout_settings(coord: KVCacheCoordinator) -> dict[str, Any]:
     return {"layout": cfg.layout, "page_tokens": coord.managers[0].block_size if cfg.superblocks else None,
             "placement": list(coord.checkpoint_placement.names),
             "eviction_policy": units.policy.name if units is not None else "lru",
-            "hazard_warm_start": bool(getattr(units.policy, "warm_start", False)) if units is not None else False}
+            "hazard_warm_start": bool(getattr(units.policy, "warm_start", False)) if units is not None else False,
+            "host_memory_gib": coord.host.geometry.total_bytes / GIB if coord.host is not None else None,
+            "host_write": coord.host.write.value if coord.host is not None else None}
 
 
 def run_workload(coord: KVCacheCoordinator, specs: Sequence[RequestSpec], *, one_at_a_time: bool = False,
@@ -143,7 +160,8 @@ def run_replay(model: str | Path = DEFAULT_MODEL, *, prompt_tokens: int = 480_03
                memory_gib: float = 60.0, use_eagle: bool = False, seed: int = 0, mamba_policy: str | None = None,
                layout: str = "unified", page_tokens: int = DEFAULT_PAGE_TOKENS,
                placement: Sequence[str] | None = None, eviction: str | None = None,
-               hazard_table: str | Path | None = None, **kwargs: Any) -> SimResult:
+               hazard_table: str | Path | None = None, host_memory_gib: float | None = None,
+               host_write: str = "through", **kwargs: Any) -> SimResult:
     """One long prefill (default 480,031 tokens) then a few decode steps, DESIGN.md 5.1's replay.
 
     With the defaults each Mamba group's request peaks at ``2 + 5 + 2 = 9`` blocks.
@@ -157,7 +175,7 @@ def run_replay(model: str | Path = DEFAULT_MODEL, *, prompt_tokens: int = 480_03
     coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens, use_eagle=use_eagle,
                               mamba_policy=mamba_policy, max_num_seqs=kwargs.get("max_num_seqs", 256),
                               layout=layout, page_tokens=page_tokens, placement=placement, eviction=eviction,
-                              hazard_table=hazard_table)
+                              hazard_table=hazard_table, host_memory_gib=host_memory_gib, host_write=host_write)
     settings = {"workload": "replay", "model": str(model), "memory_gib": memory_gib,
                 "mamba_policy": _policy_name(coord, mamba_policy), **_layout_settings(coord),
                 "prompt_tokens_requested": prompt_tokens, "output_tokens_requested": output_tokens,
@@ -175,7 +193,8 @@ def run_trace(path: str | Path, model: str | Path = DEFAULT_MODEL, *, memory_gib
               seed: int = 0, specs: Sequence[RequestSpec] | None = None, mamba_policy: str | None = None,
               replay: str = "strict", skip: int = 0, layout: str = "unified", page_tokens: int = DEFAULT_PAGE_TOKENS,
               placement: Sequence[str] | None = None, eviction: str | None = None,
-              hazard_table: str | Path | None = None, oracle_hints: bool = False, **kwargs: Any) -> SimResult:
+              hazard_table: str | Path | None = None, oracle_hints: bool = False,
+              host_memory_gib: float | None = None, host_write: str = "through", **kwargs: Any) -> SimResult:
     """A Mooncake JSONL trace (first `limit` requests after the first `skip` lines) through the scheduler.
 
     `replay`: ``"strict"`` (equal ids = equal tokens) or ``"conversation"`` (a next turn begins
@@ -185,7 +204,9 @@ def run_trace(path: str | Path, model: str | Path = DEFAULT_MODEL, *, memory_gib
     (:mod:`mambakv.sim.causes`) and, under conversation replay, ``conversation_children`` /
     ``conversation_prompts`` / ``strict_fallbacks``. `oracle_hints`: each request's ``retain`` is
     set from the trace's future (``high`` when a later request of the window shares more than
-    the first block with it, else ``low``): an oracle, reported as such.
+    the first block with it, else ``low``): an oracle, reported as such. `host_memory_gib` /
+    `host_write`: a host tier (``build_coordinator``); ``h2d_gbps=`` (a Scheduler keyword) times
+    its loads.
 
     Raises:
         TraceFormatError: missing file or malformed line, `specs` not those of the trace;
@@ -196,7 +217,8 @@ def run_trace(path: str | Path, model: str | Path = DEFAULT_MODEL, *, memory_gib
     coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens,
                               use_eagle=use_eagle, num_blocks=num_blocks, mamba_policy=mamba_policy,
                               max_num_seqs=max_num_seqs, layout=layout, page_tokens=page_tokens,
-                              placement=placement, eviction=eviction, hazard_table=hazard_table)
+                              placement=placement, eviction=eviction, hazard_table=hazard_table,
+                              host_memory_gib=host_memory_gib, host_write=host_write)
     if specs is None:
         specs = load_trace(path, limit=limit, max_output_tokens=max_output_tokens, skip=skip)
     strict_specs = specs
@@ -229,12 +251,13 @@ def run_conversations(model: str | Path = DEFAULT_MODEL, *, num_conversations: i
                       mamba_policy: str | None = None, layout: str = "unified",
                       page_tokens: int = DEFAULT_PAGE_TOKENS, placement: Sequence[str] | None = None,
                       eviction: str | None = None, hazard_table: str | Path | None = None,
+                      host_memory_gib: float | None = None, host_write: str = "through",
                       **kwargs: Any) -> SimResult:
     """Multi-turn chats (:func:`~mambakv.sim.workloads.conversations`) through the scheduler."""
     coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens, use_eagle=use_eagle,
                               mamba_policy=mamba_policy, max_num_seqs=max_num_seqs, layout=layout,
                               page_tokens=page_tokens, placement=placement, eviction=eviction,
-                              hazard_table=hazard_table)
+                              hazard_table=hazard_table, host_memory_gib=host_memory_gib, host_write=host_write)
     if specs is None:
         specs = conversations(num_conversations, turns, seed=seed)
     settings = {"workload": "chat", "model": str(model), "memory_gib": memory_gib,

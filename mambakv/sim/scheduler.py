@@ -6,6 +6,7 @@ One step::
     running requests, in admission order:  next chunk / decode token (+ K drafts)
         allocate(request, n)  -- None: preempt the most recently admitted request, retry
     waiting requests, FCFS (skipped in a step that preempted):
+        (host tier, first time: get_computed_blocks_tiered; a load: wait bytes / h2d_gbps, complete_load)
         get_computed_blocks -> allocate(request, n, num_new_computed_tokens=hit, new_computed_blocks=...)
     run take_zero_plan() / take_copy_plan() (on the MambaStatePools when given)
     the step's results are processed `lag` steps later, oldest first:
@@ -68,6 +69,8 @@ class Scheduler(ResultProcessor, Admission):
             (vLLM's default, ``scheduler_reserve_full_isl``); the first one is always tried.
         check_invariants: call ``coord.check_invariants()`` after every step and every
             processed batch (tests; slow).
+        h2d_gbps: host-to-GPU bandwidth (GB/s, 1e9 B) of a host tier's loads: a request whose
+            hit needs a load waits ``bytes / h2d_gbps`` on the step clock before admission.
     """
 
     def __init__(self, coord: KVCacheCoordinator, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
@@ -75,10 +78,13 @@ class Scheduler(ResultProcessor, Admission):
                  stop_before_last_token: bool = True, state_pools: Mapping[int, MambaStatePool] | None = None,
                  step_ms: float = 10.0, ms_per_token: float = 0.05, seed: int = 0,
                  vocab: int = 151_936, on_finish: Callable[[SimRequest], None] | None = None,
-                 reserve_full_prompt: bool = True, check_invariants: bool = False) -> None:
+                 reserve_full_prompt: bool = True, check_invariants: bool = False,
+                 h2d_gbps: float = 25.0) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0 or num_speculative_tokens < 0 or lag < 0:
             raise MambaKVError("need max_num_seqs > 0, max_num_batched_tokens > 0, "
                                "num_speculative_tokens >= 0 and lag >= 0")
+        if not h2d_gbps > 0:
+            raise MambaKVError(f"h2d_gbps must be > 0, got {h2d_gbps!r}")
         if num_speculative_tokens >= max_num_batched_tokens:
             raise MambaKVError("max_num_batched_tokens must exceed num_speculative_tokens")
         for m in coord.mamba_managers:
@@ -110,6 +116,9 @@ class Scheduler(ResultProcessor, Admission):
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.in_flight: deque[list[ScheduledEntry]] = deque()
+        self.h2d_gbps = h2d_gbps
+        #: host-tier loads in flight: (step-clock ms when done, request), in start order
+        self.loading: list[tuple[float, SimRequest]] = []
         self.metrics = SimMetrics.for_coordinator(coord)
         #: one-at-a-time runs: the running request's arrival (s), the trace clock
         self._arrival_s: float | None = None
@@ -162,8 +171,30 @@ class Scheduler(ResultProcessor, Admission):
         self.metrics.step_s += _now() - t0
         return tokens
 
+    def _complete_loads(self) -> None:
+        """Loads whose time has passed: ``complete_load``, the request back at the queue's head."""
+        done = [sreq for at, sreq in self.loading if at <= self.metrics.clock_ms]
+        if not done:
+            return
+        self.loading = [(at, sreq) for at, sreq in self.loading if at > self.metrics.clock_ms]
+        t = _now()
+        for sreq in done:
+            self.coord.complete_load(sreq.request.request_id)
+        self.metrics.library_s += _now() - t
+        self.waiting.extendleft(reversed(done))
+
+    def _wait_for_load(self) -> bool:
+        """Nothing could run: jump the clock to the next load's end (False: none in flight)."""
+        if not self.loading:
+            return False
+        self.metrics.clock_ms = max(self.metrics.clock_ms, min(at for at, _ in self.loading))
+        self._complete_loads()
+        return True
+
     def _step(self) -> int:
         coord, mt = self.coord, self.metrics
+        if self.loading:
+            self._complete_loads()
         t = _now()
         coord.new_step()
         mt.library_s += _now() - t
@@ -243,7 +274,7 @@ class Scheduler(ResultProcessor, Admission):
 
     # ------------------------------------------------------------------ runs
     def idle(self) -> bool:
-        return not (self.waiting or self.running or self.in_flight)
+        return not (self.waiting or self.running or self.in_flight or self.loading)
 
     def drain(self) -> None:
         """Process every in-flight step (the engine waits for its outputs)."""
@@ -279,6 +310,9 @@ class Scheduler(ResultProcessor, Admission):
                 if not self.step():
                     if self.in_flight:
                         self._process(self.in_flight.popleft())
+                    elif self.loading and (i == len(order) or min(at for at, _ in self.loading)
+                                           <= order[i].arrival_ms):
+                        self._wait_for_load()
                     elif i < len(order):
                         mt.clock_ms = max(mt.clock_ms, order[i].arrival_ms)
                     else:
@@ -290,6 +324,7 @@ class Scheduler(ResultProcessor, Admission):
     def _run_until_idle(self) -> None:
         while not self.idle():
             if not self.step():
-                if not self.in_flight:
+                if self.in_flight:
+                    self._process(self.in_flight.popleft())
+                elif not self._wait_for_load():
                     raise MambaKVError("scheduler made no progress")  # pragma: no cover
-                self._process(self.in_flight.popleft())

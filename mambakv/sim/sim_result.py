@@ -63,6 +63,25 @@ class SimResult:
             out["hazard_table"] = hazard.to_json()
         return {"eviction": out}
 
+    def _host_dict(self) -> dict[str, Any]:
+        """With a host tier: hits by tier, bytes moved, and the tier's own counts."""
+        host, m = self.coord.host, self.metrics
+        if host is None:
+            return {}
+        host_hits = self.coord.prefix_cache_stats.host_hits
+        prompt = m.prompt_tokens or 1
+        s = host.stats
+        g = host.geometry
+        return {"hit_rate_gpu": round((m.cached_tokens - host_hits) / prompt, 6),
+                "hit_rate_host": round(host_hits / prompt, 6),
+                "bytes_h2d": s.bytes_h2d, "bytes_d2h": s.bytes_d2h,
+                "host": {"write": host.write.value, "superblocks": g.num_superblocks, "total_bytes": g.total_bytes,
+                         "hit_tokens": host_hits, "loads": s.loads, "loaded_tokens": s.loaded_tokens,
+                         "aborted_loads": s.aborted_loads, "stores": s.stores, "stored_pages": s.stored_pages,
+                         "stored_states": s.stored_states, "skipped_stores": s.skipped_stores,
+                         "bytes_h2d_per_hit_token": round(s.bytes_h2d / host_hits, 1) if host_hits else None,
+                         "load_ms": round(m.host_load_ms, 3), "evictions": host.units.stats.to_json()}}
+
     def to_dict(self) -> dict[str, Any]:
         m, coord = self.metrics, self.coord
         pool = coord.block_pool
@@ -80,6 +99,7 @@ class SimResult:
             "prompt_tokens": m.prompt_tokens,
             "cached_tokens": m.cached_tokens,
             "hit_rate": round(m.hit_rate, 6),
+            **self._host_dict(),
             "state_missing_tokens": m.state_missing_tokens,
             "prefix_queries": stats.queries,
             "prefix_hits": stats.hits,
