@@ -270,10 +270,8 @@ class HostTier:
             slot_blocks.extend(dst)
         arena.slots.free_blocks(slot_blocks)
         arena.pages.free_blocks([b for t in tables for b in reversed(t)] + pinned)  # type: ignore[operator]
-        # the walk must pass every new state: one above the known prefix (its pages were stored
-        # by a deeper chain first) makes it start there
-        self.units.add_chain(hashes, min(known, positions[0]), positions, retain=retain, now=now,
-                             prompt_tokens=prompt_tokens)
+        # a new state above the known prefix (its pages came with a deeper chain) starts the walk there
+        self.units.add_chain(hashes, known, positions, retain=retain, now=now, prompt_tokens=prompt_tokens)
         arena.settle()
         s = self.stats
         s.stores += 1

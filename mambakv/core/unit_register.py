@@ -143,9 +143,10 @@ def add_chain(ix: UnitIndex, hashes: Sequence[bytes], start: int, positions: Seq
               retain: Retention, now: float, prompt_tokens: int) -> None:
     """A host tier's store (``UnitIndex.add_chain``): every page of ``hashes[:positions[-1] + 1]``
     is cached, ``hashes[:start]`` are nodes, and the new states are exactly at `positions`
-    (ascending, >= `start`, none a unit yet). The lean path of ``register_chain``: no presence
+    (ascending, none a unit yet; one below `start` starts the walk there). The lean path of ``register_chain``: no presence
     checks, no tails (the chain ends at its deepest state)."""
     nodes, policy = ix.nodes, ix.policy
+    start = min(start, positions[0])  # a state above the known prefix: the walk starts there
     prev: Node | None = nodes[hashes[start - 1]] if start else None
     last_index = -1
     up = prev
@@ -169,7 +170,7 @@ def add_chain(ix: UnitIndex, hashes: Sequence[bytes], start: int, positions: Seq
                         prev.children[key] = node
             prev = node
             j += 1
-        assert prev is not None and prev.unit is None, f"page {p} is a unit already"
+        assert prev is not None and prev.index == p and prev.unit is None, f"page {p} is a unit already"
         unit = prev.unit = Unit(prev.key, prev, cls, retain, now, p - last_index, 1, now)
         last_index = p
     if unit is not None:
