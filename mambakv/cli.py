@@ -207,7 +207,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                   mamba_policy=_mamba_policy(args), layout=args.layout, page_tokens=args.page_tokens,
                   placement=args.placement.split(",") if args.placement else None,
                   eviction=args.eviction, hazard_table=args.hazard_table, host_memory_gib=args.host_memory_gib,
-                  host_write=args.host_write, h2d_gbps=args.h2d_gbps)
+                  host_write=args.host_write, host_eviction=args.host_eviction, h2d_gbps=args.h2d_gbps)
     check_eviction_arguments(args)
     bar = None
     specs: list[RequestSpec] | None = None

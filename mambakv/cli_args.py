@@ -64,13 +64,16 @@ def progress(total: int, quiet: bool) -> Any:
 
 
 def add_host_arguments(p: argparse.ArgumentParser) -> None:
-    """``--host-memory-gib``, ``--host-write``, ``--h2d-gbps`` (a host tier; block ids only)."""
+    """``--host-memory-gib``, ``--host-write``, ``--host-eviction``, ``--h2d-gbps`` (a host tier; block ids only)."""
     p.add_argument("--host-memory-gib", type=POSITIVE, default=None, metavar="GIB",
                    help="a host-memory tier of GIB GiB holding evicted or freed units (a state and its pages); "
                         "block ids only, no host memory is allocated (default: none)")
     p.add_argument("--host-write", choices=("through", "evict"), default="through",
                    help="when units go to the host tier: through (when a request is freed; default) or evict "
                         "(when the GPU tier evicts them; --layout decoupled)")
+    p.add_argument("--host-eviction", choices=("lru", "reuse"), default="lru",
+                   help="the host tier's own eviction policy over its units (default lru: with a host tier the two "
+                        "score the same on the trace, CACHE.md)")
     p.add_argument("--h2d-gbps", type=POSITIVE, default=25.0, metavar="GBPS",
                    help="host-to-GPU bandwidth in GB/s: a request whose hit needs a load waits for it on the "
                         "simulated clock (default 25)")

@@ -56,7 +56,7 @@ def build_coordinator(model: str | Path = DEFAULT_MODEL, memory_gib: float = 60.
                       page_tokens: int = DEFAULT_PAGE_TOKENS,
                       placement: Sequence[str] | None = None, eviction: str | None = None,
                       hazard_table: str | Path | None = None, host_memory_gib: float | None = None,
-                      host_write: str = "through") -> KVCacheCoordinator:
+                      host_write: str = "through", host_eviction: str | None = None) -> KVCacheCoordinator:
     """A coordinator for `model` over `memory_gib` GiB (or exactly `num_blocks` blocks; in the
     decoupled layout, `num_blocks` superblocks).
 
@@ -68,7 +68,8 @@ def build_coordinator(model: str | Path = DEFAULT_MODEL, memory_gib: float = 60.
     `eviction`: ``reuse`` / ``lru`` (None: the layout's, ``reuse`` decoupled); `hazard_table`: a
     JSON file written by ``save_hazard_table`` to warm-start the reuse policy. `host_memory_gib`:
     a host tier of that many GiB (:class:`~mambakv.core.host_tier.HostTierSpec`, `host_write`
-    ``through`` / ``evict``); it tracks block ids only (no host memory is allocated).
+    ``through`` / ``evict``, `host_eviction` ``lru`` / ``reuse``); it tracks block ids only (no
+    host memory is allocated).
 
     Raises:
         ModelConfigError: unknown model / unreadable config.
@@ -107,7 +108,8 @@ def build_coordinator(model: str | Path = DEFAULT_MODEL, memory_gib: float = 60.
                 or not math.isfinite(host_memory_gib * GIB) or host_memory_gib <= 0:
             raise InvalidSpecError(f"host memory must be a finite number > 0 GiB, got {host_memory_gib!r}")
         block_bytes = None if cfg.superblocks is not None else plan_pages(load_model(model)).bytes_per_block
-        host = HostTierSpec(int(host_memory_gib * GIB), write=host_write, block_bytes=block_bytes)
+        host = HostTierSpec(int(host_memory_gib * GIB), write=host_write, eviction=host_eviction,
+                            block_bytes=block_bytes)
         if host.geometry(cfg.superblocks).num_pages > MAX_NUM_BLOCKS:
             raise InvalidSpecError(f"a host tier of {host_memory_gib:g} GiB exceeds the simulator's limit of "
                                    f"{MAX_NUM_BLOCKS:,} blocks")
@@ -136,7 +138,8 @@ def _layout_settings(coord: KVCacheCoordinator) -> dict[str, Any]:
             "eviction_policy": units.policy.name if units is not None else "lru",
             "hazard_warm_start": bool(getattr(units.policy, "warm_start", False)) if units is not None else False,
             "host_memory_gib": coord.host.geometry.total_bytes / GIB if coord.host is not None else None,
-            "host_write": coord.host.write.value if coord.host is not None else None}
+            "host_write": coord.host.write.value if coord.host is not None else None,
+            "host_eviction": coord.host.units.policy.name if coord.host is not None else None}
 
 
 def run_workload(coord: KVCacheCoordinator, specs: Sequence[RequestSpec], *, one_at_a_time: bool = False,
@@ -161,7 +164,7 @@ def run_replay(model: str | Path = DEFAULT_MODEL, *, prompt_tokens: int = 480_03
                layout: str = "unified", page_tokens: int = DEFAULT_PAGE_TOKENS,
                placement: Sequence[str] | None = None, eviction: str | None = None,
                hazard_table: str | Path | None = None, host_memory_gib: float | None = None,
-               host_write: str = "through", **kwargs: Any) -> SimResult:
+               host_write: str = "through", host_eviction: str | None = None, **kwargs: Any) -> SimResult:
     """One long prefill (default 480,031 tokens) then a few decode steps, DESIGN.md 5.1's replay.
 
     With the defaults each Mamba group's request peaks at ``2 + 5 + 2 = 9`` blocks.
@@ -175,7 +178,8 @@ def run_replay(model: str | Path = DEFAULT_MODEL, *, prompt_tokens: int = 480_03
     coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens, use_eagle=use_eagle,
                               mamba_policy=mamba_policy, max_num_seqs=kwargs.get("max_num_seqs", 256),
                               layout=layout, page_tokens=page_tokens, placement=placement, eviction=eviction,
-                              hazard_table=hazard_table, host_memory_gib=host_memory_gib, host_write=host_write)
+                              hazard_table=hazard_table, host_memory_gib=host_memory_gib, host_write=host_write,
+                              host_eviction=host_eviction)
     settings = {"workload": "replay", "model": str(model), "memory_gib": memory_gib,
                 "mamba_policy": _policy_name(coord, mamba_policy), **_layout_settings(coord),
                 "prompt_tokens_requested": prompt_tokens, "output_tokens_requested": output_tokens,
@@ -194,7 +198,8 @@ def run_trace(path: str | Path, model: str | Path = DEFAULT_MODEL, *, memory_gib
               replay: str = "strict", skip: int = 0, layout: str = "unified", page_tokens: int = DEFAULT_PAGE_TOKENS,
               placement: Sequence[str] | None = None, eviction: str | None = None,
               hazard_table: str | Path | None = None, oracle_hints: bool = False,
-              host_memory_gib: float | None = None, host_write: str = "through", **kwargs: Any) -> SimResult:
+              host_memory_gib: float | None = None, host_write: str = "through", host_eviction: str | None = None,
+              **kwargs: Any) -> SimResult:
     """A Mooncake JSONL trace (first `limit` requests after the first `skip` lines) through the scheduler.
 
     `replay`: ``"strict"`` (equal ids = equal tokens) or ``"conversation"`` (a next turn begins
@@ -218,7 +223,8 @@ def run_trace(path: str | Path, model: str | Path = DEFAULT_MODEL, *, memory_gib
                               use_eagle=use_eagle, num_blocks=num_blocks, mamba_policy=mamba_policy,
                               max_num_seqs=max_num_seqs, layout=layout, page_tokens=page_tokens,
                               placement=placement, eviction=eviction, hazard_table=hazard_table,
-                              host_memory_gib=host_memory_gib, host_write=host_write)
+                              host_memory_gib=host_memory_gib, host_write=host_write,
+                              host_eviction=host_eviction)
     if specs is None:
         specs = load_trace(path, limit=limit, max_output_tokens=max_output_tokens, skip=skip)
     strict_specs = specs
@@ -252,12 +258,13 @@ def run_conversations(model: str | Path = DEFAULT_MODEL, *, num_conversations: i
                       page_tokens: int = DEFAULT_PAGE_TOKENS, placement: Sequence[str] | None = None,
                       eviction: str | None = None, hazard_table: str | Path | None = None,
                       host_memory_gib: float | None = None, host_write: str = "through",
-                      **kwargs: Any) -> SimResult:
+                      host_eviction: str | None = None, **kwargs: Any) -> SimResult:
     """Multi-turn chats (:func:`~mambakv.sim.workloads.conversations`) through the scheduler."""
     coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens, use_eagle=use_eagle,
                               mamba_policy=mamba_policy, max_num_seqs=max_num_seqs, layout=layout,
                               page_tokens=page_tokens, placement=placement, eviction=eviction,
-                              hazard_table=hazard_table, host_memory_gib=host_memory_gib, host_write=host_write)
+                              hazard_table=hazard_table, host_memory_gib=host_memory_gib, host_write=host_write,
+                              host_eviction=host_eviction)
     if specs is None:
         specs = conversations(num_conversations, turns, seed=seed)
     settings = {"workload": "chat", "model": str(model), "memory_gib": memory_gib,
