@@ -233,6 +233,8 @@ class CoordinatorHost:
             self.state_block_pool.cache_full_blocks([b], [load.hashes[-1]], gid)
         host.unpin(*load.host_blocks)
         load.done = True
+        # its copies ran (from hit.load or a drained plan): never hand them out again
+        host.loads = [p for p in host.loads if p.request_id != request_id]
 
     def abort_load(self, request_id: str) -> None:
         """The load failed or the request was dropped: its GPU blocks are released (destinations
@@ -278,13 +280,19 @@ class CoordinatorHost:
         self.state_block_pool.free_blocks(load.held_states + [b for _, b in load.new_states])
         self.block_pool.free_blocks(load.held_pages + [b for _, _, b in load.new_pages])
         loaded = [b for _, _, b in load.new_pages] + [b for _, b in load.new_states]
-        if load.done and self.units is not None and any(not b.ref_cnt for b in loaded):
-            # loaded blocks no table took (the engine admitted a shorter hit, or none): they
-            # join the GPU units now; the ones in the request's tables register at its free
-            maps = self.block_pool.cached_block_hash_to_block
-            tables = [[first_copy(maps.get(gid), k) for k in load.hashes] for gid in host.page_gids]
+        if self.units is not None and any(not b.ref_cnt for b in load.held_pages + load.held_states + loaded):
+            # a block no table holds now (aborted; or the engine admitted a shorter hit, or none):
+            # the chain joins the GPU units, from the load's own blocks (a page may have lost its
+            # hash since, a destination was never published; a held page may have lost the state
+            # below it to this load's own room-making). Blocks still in the request's tables
+            # register at its free.
+            new = {(i, gid): b for i, gid, b in load.new_pages}
+            held = iter(load.held_pages)
+            blocks = {(i, gid): new[(i, gid)] if (i, gid) in new else next(held)
+                      for i in range(len(load.hashes)) for gid in host.page_gids}
+            tables = [[blocks[(i, gid)] for i in range(len(load.hashes))] for gid in host.page_gids]
             request = load.request
-            self.units.register(load.hashes, tables, retain=request.retain, arrival=self.now,  # type: ignore[arg-type]
+            self.units.register(load.hashes, tables, retain=request.retain, arrival=self.now,
                                 prompt_tokens=request.num_prompt_tokens, parent=None, now=self.now)
         if self.units is not None:
             self.units.settle()

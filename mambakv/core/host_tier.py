@@ -27,7 +27,7 @@ written only by a store of the plan that allocated it, and read only by a load w
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 from mambakv.core.arena import SuperblockArena, SuperblockGeometry
@@ -108,11 +108,13 @@ class HostStats:
     stored_states: int = 0
     bytes_d2h: int = 0
     skipped_stores: int = 0
+    #: planned page / state stores dropped undone: the host reused their blocks first (their unit
+    #: was evicted before the plan ran)
+    dropped_stores: int = 0
     loads: int = 0
     bytes_h2d: int = 0
     loaded_tokens: int = 0
     aborted_loads: int = 0
-    by_write: dict[str, int] = field(default_factory=dict)
 
 
 def _copies_of(m: dict[bytes, MapEntry] | None, keys: Sequence[bytes]) -> list[KVCacheBlock | None]:
@@ -252,18 +254,21 @@ class HostTier:
             arena.settle()
             self.stats.skipped_stores += 1
             return False
-        g, stores = self.geometry, self.stores
+        g = self.geometry
+        page_dsts = [arena.pages.get_new_blocks(len(col)) for col in sources]
+        slot_dsts = [arena.slots.get_new_blocks(len(col)) for col in states]
+        if self.stores:
+            self._drop_stale_stores(page_dsts, slot_dsts)
+        stores = self.stores
         tables: list[list[KVCacheBlock]] = []
-        for gid, col in zip(self.page_gids, sources):
-            dst = arena.pages.get_new_blocks(len(col))
+        for gid, col, dst in zip(self.page_gids, sources, page_dsts):
             arena.pages.cache_full_blocks(dst, hashes[known:upto], gid)
             new = tuple.__new__  # a Transfer without NamedTuple's Python-level __new__: one per stored page
             stores.extend([new(Transfer, (Tier.GPU, src.block_id, Tier.HOST, hb.block_id, g.page_bytes,  # type: ignore[union-attr]
                                           BlockKind.PAGE, gid)) for src, hb in zip(col, dst)])
             tables.append(dst)
         slot_blocks: list[KVCacheBlock] = []
-        for gid, col in zip(self.state_gids, states):
-            dst = arena.slots.get_new_blocks(len(col))
+        for gid, col, dst in zip(self.state_gids, states, slot_dsts):
             arena.slots.cache_full_blocks(dst, [hashes[i] for i in positions], gid)
             stores.extend([Transfer(Tier.GPU, src.block_id, Tier.HOST, hb.block_id, g.state_bytes,  # type: ignore[union-attr]
                                     BlockKind.STATE, gid) for src, hb in zip(col, dst)])
@@ -279,6 +284,27 @@ class HostTier:
         s.stored_states += num_slots
         s.bytes_d2h += num_pages * g.page_bytes + num_slots * g.state_bytes
         return True
+
+    def _drop_stale_stores(self, page_dsts: list[list[KVCacheBlock]], slot_dsts: list[list[KVCacheBlock]]) -> None:
+        """Pending stores into host memory this store reuses wrote a unit evicted before the plan
+        ran: drop them (their bytes too), so that a plan never writes a host byte twice. A page
+        and a slot share bytes when the slot's superblock held the page."""
+        k = self.geometry.pages_per_superblock
+        pages = {b.block_id for d in page_dsts for b in d}
+        slots = {b.block_id for d in slot_dsts for b in d}
+        page_sbs = {p // k for p in pages}
+        kept: list[Transfer] = []
+        for t in self.stores:
+            if t.kind is BlockKind.PAGE:
+                stale = t.dst_block in pages or t.dst_block // k in slots
+            else:
+                stale = t.dst_block in slots or t.dst_block in page_sbs
+            if stale:
+                self.stats.bytes_d2h -= t.num_bytes
+                self.stats.dropped_stores += 1
+            else:
+                kept.append(t)
+        self.stores = kept
 
     def take_stores(self) -> list[Transfer]:
         stores, self.stores = self.stores, []
@@ -308,9 +334,23 @@ class HostTier:
         return pages, states
 
     def unpin(self, pages: Sequence[KVCacheBlock], slots: Sequence[KVCacheBlock]) -> None:
-        """Release a load's pins (its blocks stay cached: the host keeps the unit)."""
+        """Release a load's pins (its blocks stay cached: the host keeps the unit). What the host
+        lost meanwhile (the unit evicted, or its chain cut by a page the load did not pin being
+        reused) is dropped, as the unit index drops unreachable blocks."""
         self.arena.slots.free_blocks(list(slots))
         self.arena.pages.free_blocks(list(pages))
+        nodes = self.units.nodes
+        lost = [b for b in slots if b.block_hash is not None and not b.ref_cnt
+                and ((n := nodes.get(b.block_hash)) is None or n.unit is None)]
+        if lost:
+            self.arena.slots.drop_cached(lost)
+        lost = [b for b in pages if b.block_hash is not None and not b.ref_cnt and b.block_hash not in nodes]
+        if lost:
+            self.arena.pages.drop_cached(lost)
+        for b in pages:  # a page left past its chain's deepest checkpoint goes (and those above it)
+            node = nodes.get(b.block_hash) if b.block_hash is not None else None
+            if node is not None:
+                self.units.prune(node)
 
     def check_invariants(self) -> None:
         """The host arena's and its units' invariants; stores only name blocks of their kind."""

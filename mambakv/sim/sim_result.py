@@ -78,7 +78,7 @@ class SimResult:
                 "host": {"write": host.write.value, "superblocks": g.num_superblocks, "total_bytes": g.total_bytes,
                          "hit_tokens": host_hits, "loads": s.loads, "loaded_tokens": s.loaded_tokens,
                          "aborted_loads": s.aborted_loads, "stores": s.stores, "stored_pages": s.stored_pages,
-                         "stored_states": s.stored_states, "skipped_stores": s.skipped_stores,
+                         "stored_states": s.stored_states, "skipped_stores": s.skipped_stores, "dropped_stores": s.dropped_stores,
                          "bytes_h2d_per_hit_token": round(s.bytes_h2d / host_hits, 1) if host_hits else None,
                          "load_ms": round(m.host_load_ms, 3), "evictions": host.units.stats.to_json()}}
 

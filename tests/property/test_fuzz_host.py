@@ -1,0 +1,413 @@
+"""Stateful fuzzing of the host tier (mambakv.core.host_tier through the coordinator).
+
+A smaller engine than fuzz_engine.FuzzEngine (whose shadow tables and publication record do not
+model loads): requests with shared prefixes (cut from a few base sequences and from earlier
+requests) are looked up with ``get_computed_blocks_tiered`` (which may start a load), their
+loads completed or aborted at random later rules, freed while a load is in flight or held,
+admitted (refused while their load is in flight), prefilled in chunks, decoded, preempted and
+finished; the transfer plans are drained and checked; ``reset_prefix_cache`` and pool
+``evict_blocks`` run at random. Configs: the decoupled layout (write ``through`` and ``evict``)
+and the unified one (``through``), full attention + align-mode Mamba groups of one block size, a
+GPU pool where one request always fits, and a host budget of a few superblocks (host stores are
+skipped and host units evicted all the time).
+
+After every rule: the library's ``check_invariants()`` and this file's own checks (a failed or
+refused call changed nothing; no host block pinned without a load in flight; no GPU block held
+without a request or a load). At the end of every example everything is freed and both tiers
+must be empty of holders. ``MAMBAKV_FUZZ=deep`` selects the long profile.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from mambakv import FullAttentionSpec, KVCacheConfig, KVCacheCoordinator, KVCacheGroupSpec, MambaSpec, Request
+from mambakv.core.arena import SuperblockGeometry
+from mambakv.core.errors import LoadPendingError
+from mambakv.core.host_tier import HostTierSpec
+from mambakv.core.transfers import BlockKind, Tier
+from tests.property.fuzz_checks import in_use, snapshot
+from tests.property.fuzz_machine import active_settings
+from tests.property.fuzz_model import ALPHABET, cdiv
+
+MAX_LEN = 32
+IDS = tuple(f"h{i}" for i in range(5))
+STATS: Counter = Counter()
+
+tokens = st.lists(st.sampled_from(ALPHABET), max_size=6)
+idx = st.integers(0, 7)
+
+
+@dataclass
+class HostFuzzConfig:
+    block_size: int
+    kinds: tuple[str, ...]  # "full" / "mamba" per group
+    superblocks: tuple[int, int] | None  # decoupled: (n, k); None: unified
+    num_blocks: int  # unified
+    host_superblocks: int
+    write: str
+    eviction: str
+    host_eviction: str
+    bases: tuple[tuple[int, ...], ...]
+
+    def build(self) -> KVCacheCoordinator:
+        bs = self.block_size
+        groups = [KVCacheGroupSpec([f"l{g}"], FullAttentionSpec(bs, 1, 1, "float16") if kind == "full"
+                                   else MambaSpec(bs, ((2, 2),), ("float32",), mode="align"))
+                  for g, kind in enumerate(self.kinds)]
+        if self.superblocks is not None:
+            n, k = self.superblocks
+            geo = SuperblockGeometry(n, k, 4, 4 * k - (k > 1))
+            cfg = KVCacheConfig(geo.num_pages, groups, geo)
+            spec = HostTierSpec(self.host_superblocks * k * 4, write=self.write, eviction=self.host_eviction)
+            return KVCacheCoordinator(cfg, max_model_len=MAX_LEN, eviction=self.eviction, host_tier=spec)
+        spec = HostTierSpec(self.host_superblocks * 16, block_bytes=16, eviction=self.host_eviction)
+        return KVCacheCoordinator(KVCacheConfig(self.num_blocks, groups), max_model_len=MAX_LEN, host_tier=spec)
+
+
+@st.composite
+def host_configs(draw) -> HostFuzzConfig:
+    bs = draw(st.sampled_from([2, 4]))
+    kinds = ("full", "mamba") + tuple(draw(st.lists(st.sampled_from(["full", "mamba"]), max_size=1)))
+    decoupled = draw(st.integers(0, 3)) > 0
+    pages = sum(cdiv(MAX_LEN, bs) for kd in kinds if kd == "full")
+    slots = 2 * sum(kd == "mamba" for kd in kinds)
+    superblocks, num_blocks = None, 0
+    if decoupled:
+        k = draw(st.integers(1, 3))
+        one = cdiv(max(0, pages - (k - 1)), k) + slots  # one request of MAX_LEN tokens fits
+        superblocks = (1 + one + draw(st.integers(0, one)), k)
+        write = draw(st.sampled_from(["through", "evict"]))
+    else:
+        one = pages + slots
+        num_blocks = 1 + one + draw(st.integers(0, one))
+        write = "through"
+    host = draw(st.integers(2, 3 * one))
+    bases = tuple(tuple(draw(st.lists(st.sampled_from(ALPHABET), min_size=24, max_size=24))) for _ in range(2))
+    return HostFuzzConfig(bs, kinds, superblocks, num_blocks, host, write, draw(st.sampled_from(["lru", "reuse"])),
+                          draw(st.sampled_from(["lru", "reuse"])), bases)
+
+
+@dataclass
+class HReq:
+    request: Request
+    status: str = "waiting"  # waiting / loading (in flight) / loaded (complete, held) / running
+    hit: tuple[int, int] = (0, 0)  # (gpu, host) tokens of its tiered lookup
+    lossy: bool = False  # evict_blocks ran while its load was held (its hit may have lost pages)
+    looked: bool = False  # had a tiered lookup (an engine with a host tier looks up first)
+
+
+def full_snapshot(coord: KVCacheCoordinator) -> tuple:
+    host = coord.host
+    assert host is not None
+    return (snapshot(coord), in_use(host.arena.pages), in_use(host.arena.slots), repr(host.stats),
+            sorted(host.units.nodes), repr(coord.prefix_cache_stats))
+
+
+class HostFuzzMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.coord: KVCacheCoordinator | None = None
+        self.reqs: dict[str, HReq] = {}
+        self.clock = 0.0
+
+    def _on(self) -> bool:
+        return self.coord is not None
+
+    def now(self) -> float:
+        self.clock += 1.0 + len(self.reqs) * 3 % 17
+        return self.clock
+
+    def pick(self, i: int, *statuses: str) -> HReq:
+        cands = [r for _, r in sorted(self.reqs.items()) if r.status in statuses]
+        return cands[i % len(cands)]
+
+    def has(self, *statuses: str) -> bool:
+        return any(r.status in statuses for r in self.reqs.values())
+
+    @initialize(cfg=host_configs())
+    def setup(self, cfg: HostFuzzConfig) -> None:
+        self.cfg = cfg
+        self.coord = cfg.build()
+        self.history: list[tuple[int, ...]] = list(cfg.bases)
+        STATS["examples"] += 1
+        STATS[f"write {cfg.write}"] += 1
+
+    # ------------------------------------------------------------------ requests
+    @precondition(lambda self: self._on() and len(self.reqs) < len(IDS))
+    @rule(src=st.integers(0, 30), cut=st.integers(0, 28), tail=tokens, max_tokens=st.integers(1, 6))
+    def add(self, src: int, cut: int, tail: list[int], max_tokens: int) -> None:
+        rid = next(r for r in IDS if r not in self.reqs)
+        source = self.history[src % len(self.history)]
+        toks = (list(source[:cut]) + tail)[:MAX_LEN - 8] or [ALPHABET[0]]
+        self.reqs[rid] = HReq(Request(rid, toks, max_tokens=max_tokens))
+
+    @precondition(lambda self: self._on() and self.has("waiting", "loading", "loaded"))
+    @rule(i=idx)
+    def tiered(self, i: int) -> None:
+        coord, r = self.coord, self.pick(i, "waiting", "loading", "loaded")
+        req = r.request
+        before = full_snapshot(coord)
+        if r.status == "loading":
+            with pytest.raises(LoadPendingError):
+                coord.get_computed_blocks_tiered(req, now=self.now())
+            assert full_snapshot(coord) == before, "UNCHANGED: a refused tiered lookup"
+            STATS["tiered refused"] += 1
+            return
+        gpu = coord.get_computed_blocks(req)[1]
+        hit = coord.get_computed_blocks_tiered(req, now=self.now())
+        r.looked = True
+        bs = self.cfg.block_size
+        assert hit.num_gpu_tokens == gpu, "HIT: the tiered call's GPU part differs from get_computed_blocks"
+        total = hit.num_gpu_tokens + hit.num_host_tokens
+        assert total % bs == 0 and total <= req.num_tokens - 1, f"HIT: {total} of {req.num_tokens} tokens"
+        if hit.load is None:
+            assert hit.num_host_tokens == 0
+            assert full_snapshot(coord) == before, "UNCHANGED: a tiered lookup without a load"
+            return
+        assert r.status == "waiting", "LOAD: a second load started for a request whose load is held"
+        load = hit.load
+        assert load.request_id == req.request_id and load.num_tokens == hit.num_host_tokens > 0
+        assert load.num_bytes == sum(t.num_bytes for t in load.transfers) > 0
+        g = self.coord.host.geometry
+        states = [t for t in load.transfers if t.kind is BlockKind.STATE]
+        for t in load.transfers:
+            assert t.src_tier is Tier.HOST and t.dst_tier is Tier.GPU
+            assert t.num_bytes == (g.page_bytes if t.kind is BlockKind.PAGE else g.state_bytes)
+        assert len(states) in (0, self.cfg.kinds.count("mamba"))
+        assert coord.load_pending(req.request_id)
+        # (the load's room may evict the GPU part's own state, never publish the host part)
+        assert coord.get_computed_blocks(req)[1] <= gpu, "HIT: a tier-unaware lookup sees a load in flight"
+        r.status, r.hit, r.lossy = "loading", (hit.num_gpu_tokens, hit.num_host_tokens), False
+        STATS["loads started"] += 1
+
+    @precondition(lambda self: self._on() and self.has("loading"))
+    @rule(i=idx)
+    def complete(self, i: int) -> None:
+        r = self.pick(i, "loading")
+        self.coord.complete_load(r.request.request_id)
+        assert not self.coord.load_pending(r.request.request_id)
+        if not r.lossy:
+            assert self.coord.get_computed_blocks(r.request)[1] >= sum(r.hit), "HIT: a completed load is not a GPU hit"
+        r.status = "loaded"
+        STATS["loads completed"] += 1
+
+    @precondition(lambda self: self._on() and self.has("loading", "loaded"))
+    @rule(i=idx)
+    def abort(self, i: int) -> None:
+        r = self.pick(i, "loading", "loaded")
+        self.coord.abort_load(r.request.request_id)
+        with pytest.raises(LoadPendingError):
+            self.coord.abort_load(r.request.request_id)
+        STATS["loads aborted" if r.status == "loading" else "holds released"] += 1
+        r.status = "waiting"
+
+    @precondition(lambda self: self._on() and self.has("waiting", "loading", "loaded"))
+    @rule(i=idx)
+    def drop(self, i: int) -> None:
+        """The request goes away before its admission: free() aborts its load / ends its hold."""
+        r = self.pick(i, "waiting", "loading", "loaded")
+        STATS[f"freed while {r.status}"] += 1
+        self.coord.free(r.request.request_id, now=self.now())
+        assert not self.coord.load_pending(r.request.request_id)
+        del self.reqs[r.request.request_id]
+
+    def admissible(self) -> list[HReq]:
+        return [r for _, r in sorted(self.reqs.items()) if r.status in ("loading", "loaded")
+                or r.status == "waiting" and r.looked]
+
+    @precondition(lambda self: self._on() and self.admissible())
+    @rule(i=idx, chunk=st.integers(4, 32))
+    def admit(self, i: int, chunk: int) -> None:
+        """First allocate with the (tier-unaware) hit, then the prefill's remaining chunks."""
+        cands = self.admissible()
+        coord, r = self.coord, cands[i % len(cands)]
+        req = r.request
+        blocks, n = coord.get_computed_blocks(req)
+        before = full_snapshot(coord)
+        end = coord.next_chunk_end(req, chunk, num_computed_tokens=n)
+        if r.status == "loading":
+            with pytest.raises(LoadPendingError):
+                coord.allocate(req, end - n, num_new_computed_tokens=n, new_computed_blocks=blocks, now=self.now())
+            assert full_snapshot(coord) == before, "UNCHANGED: allocate refused during a load"
+            STATS["allocates refused during a load"] += 1
+            return
+        host_hits = coord.prefix_cache_stats.host_hits
+        got = coord.allocate(req, end - n, num_new_computed_tokens=n, new_computed_blocks=blocks, now=self.now())
+        if got is None:
+            assert full_snapshot(coord) == before, "UNCHANGED: a failed allocate"
+            STATS["failed allocates"] += 1
+            return
+        added = coord.prefix_cache_stats.host_hits - host_hits
+        if r.status == "loaded":
+            assert 0 <= added <= r.hit[1], f"HOST HITS: {added} counted for a {r.hit[1]}-token load"
+            STATS["host hit tokens"] += added
+            STATS["loaded requests admitted"] += 1
+        else:
+            assert added == 0
+        r.status = "running"
+        self._advance(r, end)
+        while req.num_computed_tokens < req.num_tokens and r.status == "running":
+            end = coord.next_chunk_end(req, chunk, num_computed_tokens=req.num_computed_tokens)
+            if coord.allocate(req, end - req.num_computed_tokens, num_draft_tokens=0, now=self.now()) is None:
+                self._preempt(r)
+                return
+            self._advance(r, end)
+            coord.check_invariants()
+
+    def _advance(self, r: HReq, end: int) -> None:
+        r.request.num_computed_tokens = end
+        self.coord.retire(r.request.request_id, end)
+        self.coord.take_step_plan()
+
+    def _preempt(self, r: HReq) -> None:
+        rid = r.request.request_id
+        self.coord.free(rid, now=self.now())
+        self.history.append(tuple(r.request.all_token_ids.tolist()))
+        del self.history[2:-6]
+        left = max(1, r.request.max_tokens - r.request.num_output_tokens)
+        self.reqs[rid] = HReq(Request(rid, r.request.all_token_ids.tolist(), max_tokens=left))
+        STATS["preemptions"] += 1
+
+    @precondition(lambda self: self._on() and self.has("running"))
+    @rule(i=idx, tok=st.sampled_from(ALPHABET))
+    def decode(self, i: int, tok: int) -> None:
+        r = self.pick(i, "running")
+        req = r.request
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= MAX_LEN - 1:
+            self.finish_one(r)
+            return
+        req.append_output_token_ids(tok)
+        if self.coord.allocate(req, 1, num_draft_tokens=0, now=self.now()) is None:
+            self._preempt(r)
+            return
+        self._advance(r, req.num_tokens)
+        STATS["decode steps"] += 1
+
+    def finish_one(self, r: HReq) -> None:
+        self.coord.free(r.request.request_id, now=self.now())
+        self.history.append(tuple(r.request.all_token_ids.tolist()))
+        del self.history[2:-6]
+        del self.reqs[r.request.request_id]
+        STATS["finished"] += 1
+
+    @precondition(lambda self: self._on() and self.has("running"))
+    @rule(i=idx, preempt=st.booleans())
+    def finish(self, i: int, preempt: bool) -> None:
+        r = self.pick(i, "running")
+        if preempt:
+            self._preempt(r)
+        else:
+            self.finish_one(r)
+
+    # ------------------------------------------------------------------ plans and maintenance
+    @precondition(lambda self: self._on())
+    @rule()
+    def drain_plan(self) -> None:
+        plan = self.coord.take_transfer_plan()
+        g = self.coord.host.geometry
+        for t in plan.stores:
+            assert t.src_tier is Tier.GPU and t.dst_tier is Tier.HOST
+            assert t.num_bytes == (g.page_bytes if t.kind is BlockKind.PAGE else g.state_bytes)
+        dsts = [(t.kind, t.dst_block) for t in plan.stores]
+        assert len(set(dsts)) == len(dsts), "STORES: a host block written twice in one plan"
+        for p in plan.loads:
+            assert self.reqs.get(p.request_id) is not None and self.reqs[p.request_id].status == "loading", (
+                f"LOADS: the plan hands out {p.request_id}'s load, which is not in flight")
+        STATS["plans"] += bool(plan)
+
+    @precondition(lambda self: self._on() and not self.has("running"))
+    @rule(go=st.integers(0, 9))
+    def reset(self, go: int) -> None:
+        if go:  # rare: a reset empties both tiers
+            return
+        coord = self.coord
+        held = self.has("loading", "loaded")
+        before = full_snapshot(coord)
+        ok = coord.reset_prefix_cache()
+        if held:
+            assert not ok and full_snapshot(coord) == before, "RESET: succeeded (or changed) with a load held"
+        else:
+            assert ok, "RESET: refused with nothing held"
+            assert not coord.take_transfer_plan(), "RESET: transfers survived"
+            assert len(coord.host.units.nodes) == 0 and not any(
+                b.block_hash is not None for p in (coord.host.arena.pages, coord.host.arena.slots) for b in p.blocks)
+            STATS["resets"] += 1
+
+    @precondition(lambda self: self._on())
+    @rule(pool=st.integers(0, 1), ids=st.lists(st.integers(0, 60), min_size=1, max_size=3), go=st.integers(0, 4))
+    def evict(self, pool: int, ids: list[int], go: int) -> None:
+        if go:  # rarer than the engine's own calls
+            return
+        p = self.coord.pools[pool % len(self.coord.pools)]
+        p.evict_blocks([i % p.num_blocks for i in ids])
+        for r in self.reqs.values():
+            r.lossy = True
+        STATS["evict_blocks"] += 1
+
+    # ------------------------------------------------------------------ checks
+    @invariant()
+    def consistent(self) -> None:
+        coord = self.coord
+        if coord is None:
+            return
+        coord.check_invariants()
+        host = coord.host
+        loads = {rid for rid, r in self.reqs.items() if r.status == "loading"}
+        for rid, r in self.reqs.items():
+            assert coord.load_pending(rid) == (r.status == "loading"), f"LOAD: {rid} {r.status}"
+        assert set(coord.request_ids) == {rid for rid, r in self.reqs.items() if r.status == "running"}
+        if not loads:
+            assert not in_use(host.arena.pages) and not in_use(host.arena.slots), "PIN: host blocks pinned, no load"
+        if not any(r.status in ("running", "loading", "loaded") for r in self.reqs.values()):
+            assert not any(in_use(p) for p in coord.pools), "LEAK: GPU blocks held with nothing holding them"
+        s, u = host.stats, host.units.stats
+        self._seen = getattr(self, "_seen", (0, 0, 0, 0))
+        seen = (s.stores, u.evictions, s.skipped_stores, s.aborted_loads)
+        for name, a, b in zip(("host stores", "host evictions", "skipped stores", "aborted (library count)"),
+                              seen, self._seen):
+            STATS[name] += a - b
+        self._seen = seen
+
+    def teardown(self) -> None:
+        coord = self.coord
+        if coord is None:
+            return
+        for rid in list(self.reqs):
+            coord.free(rid, now=self.now())
+            coord.check_invariants()
+        self.reqs.clear()
+        assert not any(in_use(p) for p in coord.pools), "LEAK: GPU blocks held after everything ended"
+        host = coord.host
+        assert not in_use(host.arena.pages) and not in_use(host.arena.slots), "LEAK: host blocks pinned at the end"
+        assert coord.reset_prefix_cache()
+        assert not coord.take_transfer_plan().loads
+
+
+#: must be reached (the counts of the rarer paths, holds released and frees of a completed load,
+#: are printed with the rest)
+REACHED = ("host stores", "host evictions", "skipped stores", "loads started", "loads completed", "loads aborted",
+           "freed while loading", "loaded requests admitted", "host hit tokens", "allocates refused during a load",
+           "tiered refused", "write evict", "write through", "preemptions", "resets")
+
+
+def test_host_tier_state_machine() -> None:
+    STATS.clear()
+    deep = os.environ.get("MAMBAKV_FUZZ") == "deep"
+    run_state_machine_as_test(HostFuzzMachine, settings=active_settings() if deep else active_settings(max_examples=600))
+    print(f"\nhost fuzzer exercised: {dict(STATS)}")
+    for what in REACHED:
+        assert STATS[what] > 0, f"the host fuzzer never exercised {what}: {dict(STATS)}"
