@@ -435,3 +435,56 @@ def test_save_hazard_table_folder_checked_before_the_run(tmp_path, capsys):
     p = write_trace(tmp_path / "t.jsonl", ROWS)
     assert main(["trace", str(p), "--quiet", "--save-hazard-table", str(tmp_path / "no" / "h.json")]) == 2
     assert "no such folder" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- issue 17
+# A (2000 tokens), X (3000, unrelated), then B = A's 4 blocks + 1 (2100). 0.2 GiB holds 15
+# superblocks of 13.5 MiB (9 pages of 64 tokens): X's prefill evicts A's unit from the GPU; the
+# host tier (write-through at A's free) still holds it.
+HOST_ROWS = [
+    {"timestamp": 0, "input_length": 2000, "output_length": 1, "hash_ids": [1, 2, 3, 4]},
+    {"timestamp": 10000, "input_length": 3000, "output_length": 1, "hash_ids": [11, 12, 13, 14, 15, 16]},
+    {"timestamp": 20000, "input_length": 2100, "output_length": 1, "hash_ids": [1, 2, 3, 4, 5]},
+]
+
+
+def test_trace_host_tier_hit_and_bandwidth_moves_the_clock_only(tmp_path, capsys):
+    p = write_trace(tmp_path / "t.jsonl", HOST_ROWS)
+    argv = ["trace", str(p), "--one-at-a-time", "--json", "--quiet", "--memory-gib", "0.2"]
+    assert main(argv) == 0
+    gpu_only = json.loads(capsys.readouterr().out)
+    assert gpu_only["cached_tokens"] == 0 and "hit_rate_host" not in gpu_only  # A's unit was evicted
+    runs = {}
+    for gbps in ("25", "5"):
+        assert main([*argv, "--host-memory-gib", "1", "--h2d-gbps", gbps]) == 0
+        runs[gbps] = json.loads(capsys.readouterr().out)
+    d = runs["25"]
+    # B's hit: A's 31 full pages (1984 tokens) and the 3 Mamba states at 1984, all from the host:
+    # 31 x 1,572,864 B (64 tokens x 24,576 B) + 3 x 13,172,736 B = 88,276,992 B
+    assert d["cached_tokens"] == 1984 and d["hit_rate"] == pytest.approx(1984 / 7100, abs=1e-6)
+    assert d["hit_rate_gpu"] == 0.0 and d["hit_rate_host"] == d["hit_rate"]
+    assert d["bytes_h2d"] == 31 * 1_572_864 + 3 * 13_172_736 == 88_276_992
+    assert d["host"]["loads"] == 1 and d["host"]["load_ms"] == pytest.approx(88_276_992 / 25e6, abs=1e-3)
+    assert d["bytes_d2h"] > 0 and d["host_write"] == "through" and d["blocks_returned"]
+    slow = runs["5"]  # the bandwidth moves the clock by the load's extra time, not the hit rate
+    assert slow["hit_rate"] == d["hit_rate"] and slow["bytes_h2d"] == d["bytes_h2d"]
+    assert slow["sim_clock_ms"] - d["sim_clock_ms"] == pytest.approx(88_276_992 / 5e6 - 88_276_992 / 25e6, abs=1e-3)
+    assert main(["trace", str(p), "--one-at-a-time", "--quiet", "--memory-gib", "0.2", "--host-memory-gib", "1"]) == 0
+    assert "host tier 1.0 GiB (through): hit rate gpu 0.0000 + host 0.2794; 1 loads" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["--host-memory-gib", "0"], "--host-memory-gib"), (["--host-memory-gib", "nan"], "--host-memory-gib"),
+    (["--h2d-gbps", "0"], "--h2d-gbps"), (["--host-write", "later"], "--host-write"),
+    (["--host-eviction", "fifo"], "--host-eviction"),
+])
+def test_bad_host_arguments_exit_2(argv, why, capsys):
+    assert main(["replay", *argv]) == 2
+    assert why in _one_line_error(capsys)
+
+
+def test_host_write_evict_needs_decoupled(tmp_path, capsys):
+    p = write_trace(tmp_path / "t.jsonl", HOST_ROWS)
+    assert main(["trace", str(p), "--quiet", "--layout", "unified", "--host-memory-gib", "1",
+                 "--host-write", "evict"]) == 2
+    assert "decoupled" in _one_line_error(capsys)
