@@ -274,7 +274,7 @@ class CoordinatorHost:
             host.unpin(*load.host_blocks)
             host.stats.aborted_loads += 1
             host.loads = [p for p in host.loads if p.request_id != request_id]
-        elif admitted_tokens is not None:
+        elif admitted_tokens is not None and load.request.num_admissions == 1:  # counted as a first admission
             self.prefix_cache_stats.host_hits += max(0, min(admitted_tokens, load.num_gpu_tokens + load.plan.num_tokens)
                                                      - load.num_gpu_tokens)
         self.state_block_pool.free_blocks(load.held_states + [b for _, b in load.new_states])

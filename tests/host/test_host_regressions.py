@@ -150,3 +150,33 @@ def test_unpin_after_the_host_lost_the_loaded_unit():
         m.consistent()
     assert m.reqs["h4"].status == "loading"
     m.teardown()  # frees h0..h3 (their stores evict on the host), then h4: its load aborts
+
+
+def test_host_hits_count_only_at_a_first_admission():
+    # B2 is admitted (A's 12 tokens hit), preempted, and resumed through a host load (20 tokens:
+    # B's chain, the GPU part 12 + the host's 8). The resumed admission is counted in the
+    # preempted_* fields, so its 8 host tokens must not be counted in host_hits (hits - host_hits
+    # would count tokens hits never had; hit_rate_gpu could go below zero).
+    h = HostHarness()
+    c = h.coord
+    h.evict_b()
+    c.take_transfer_plan()
+    hits0 = c.prefix_cache_stats.hits  # B's 12 tokens earlier
+    req = Request("B2", B2, max_tokens=1)
+    blocks, n = c.get_computed_blocks(req)
+    assert n == 12
+    assert c.allocate(req, 4, num_new_computed_tokens=n, new_computed_blocks=blocks, num_draft_tokens=0, now=50.0)
+    assert c.prefix_cache_stats.hits == hits0 + 12 and c.prefix_cache_stats.host_hits == 0
+    assert c.preempt_all() == ["B2"]
+    c.check_invariants()
+    hit = c.get_computed_blocks_tiered(req, now=51.0)
+    assert (hit.num_gpu_tokens, hit.num_host_tokens) == (12, 8)
+    c.complete_load("B2")
+    blocks, n = c.get_computed_blocks(req)
+    assert n == 20
+    assert c.allocate(req, len(B2) - n, num_new_computed_tokens=n, new_computed_blocks=blocks, num_draft_tokens=0,
+                      now=52.0)
+    c.check_invariants()
+    stats = c.prefix_cache_stats
+    assert (stats.hits - hits0, stats.preempted_hits, stats.host_hits) == (12, 20, 0)
+    assert stats.hit_rate_gpu == stats.hit_rate
