@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from mambakv.coordinator_host import CoordinatorHost, build_host_tier
-from mambakv.coordinator_pools import CoordinatorPools, build_pools, build_units, unit_table_managers
+from mambakv.coordinator_host import CoordinatorHost
+from mambakv.coordinator_pools import CoordinatorPools, build_host_tier, build_pools, build_units, unit_table_managers
 from mambakv.coordinator_queries import CoordinatorQueries
 from mambakv.coordinator_results import CoordinatorResults
 from mambakv.core.block import KVCacheBlock

@@ -23,51 +23,17 @@ from typing import TYPE_CHECKING
 
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
-from mambakv.core.errors import InvalidRequestError, InvalidSpecError, LoadPendingError, as_seconds
-from mambakv.core.eviction import make_eviction_policy
-from mambakv.core.host_tier import HostTier, HostTierSpec, HostWrite, first_copy
+from mambakv.core.errors import InvalidRequestError, LoadPendingError, as_seconds
+from mambakv.core.host_tier import HostTier, first_copy
 from mambakv.core.request import Request
-from mambakv.core.spec import KVCacheConfig
 from mambakv.core.transfers import EMPTY_TRANSFER_PLAN, BlockKind, LoadPlan, Tier, Transfer, TransferPlan
 from mambakv.core.unit_types import Unit
 from mambakv.core.units import UnitIndex
-from mambakv.groups import GroupKind, SingleTypeKVCacheManager
 from mambakv.groups.tables import group_block_hashes
 from mambakv.hits import PrefixCacheStats
 from mambakv.plans import KVCacheBlocks, TieredHit
 
-__all__ = ["CoordinatorHost", "build_host_tier"]
-
-
-def build_host_tier(spec: HostTierSpec | None, config: KVCacheConfig, managers: tuple[SingleTypeKVCacheManager, ...],
-                    gpu_pages: BlockPool, gpu_slots: BlockPool, units: UnitIndex | None,
-                    enable_caching: bool, use_eagle: bool) -> HostTier | None:
-    """The host tier of `spec` over these groups, or None without a spec.
-
-    Raises:
-        InvalidSpecError: not a HostTierSpec; no prefix caching or EAGLE back-off; a group other
-            than full attention and align-mode Mamba, or groups of different block sizes; write
-            ``evict`` without the decoupled layout's units.
-    """
-    if spec is None:
-        return None
-    if not isinstance(spec, HostTierSpec):
-        raise InvalidSpecError(f"host_tier must be a HostTierSpec, got {type(spec).__name__}")
-    if not enable_caching or use_eagle:
-        raise InvalidSpecError("a host tier needs prefix caching and no EAGLE back-off")
-    pages = [m.kv_cache_group_id for m in managers if m.kind is GroupKind.FULL_ATTENTION]
-    states = [m.kv_cache_group_id for m in managers if m.kind is GroupKind.MAMBA
-              and getattr(m, "mode", None) is not None and m.mode.value == "align"]  # type: ignore[attr-defined]
-    sizes = {m.block_size for m in managers}
-    if len(pages) + len(states) != len(managers) or not pages or not states or len(sizes) != 1:
-        raise InvalidSpecError("a host tier holds units of full-attention pages and align-mode Mamba states: "
-                               "every group must be one of the two, of one block size")
-    if spec.write is HostWrite.EVICT and units is None:
-        raise InvalidSpecError("host write 'evict' needs the decoupled layout (its eviction units)")
-    policy = make_eviction_policy(spec.eviction or "lru")
-    return HostTier(spec.geometry(config.superblocks), gpu_pages=gpu_pages, gpu_slots=gpu_slots, page_gids=pages,
-                    state_gids=states, page_tokens=managers[0].block_size, policy=policy,
-                    write=spec.write)  # type: ignore[arg-type]
+__all__ = ["CoordinatorHost"]
 
 
 @dataclass
@@ -311,22 +277,8 @@ class CoordinatorHost:
         units = self.units
         if units is None:  # unified: walk the GPU maps
             _, positions = host.gpu_checkpoints(hashes)
-        else:  # decoupled: the chain's GPU units, from its deepest node up (nodes are a prefix)
-            nodes = units.nodes
-            lo, hi = 0, len(hashes)
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if hashes[mid - 1] in nodes:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            positions = []
-            node = nodes[hashes[lo - 1]] if lo else None
-            while node is not None:
-                if node.unit is not None:
-                    positions.append(node.index)
-                node = node.parent
-            positions.reverse()
+        else:
+            positions = units.checkpoints(hashes)
         if positions:
             host.store_chain(hashes, positions, now=self.now, retain=request.retain,
                              prompt_tokens=request.num_prompt_tokens)

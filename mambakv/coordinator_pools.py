@@ -16,7 +16,7 @@ from mambakv.core.block_pool import BlockPool
 from mambakv.core.errors import InvalidRequestError, InvalidSpecError, InvalidTokenCountError, as_count
 from mambakv.core.events import KVCacheEvent
 from mambakv.core.eviction import EvictionPolicy, make_eviction_policy
-from mambakv.core.host_tier import HostTier
+from mambakv.core.host_tier import HostTier, HostTierSpec, HostWrite
 from mambakv.core.modes import MambaCacheMode
 from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheConfig, KVCacheSpec, MambaSpec
@@ -26,7 +26,7 @@ from mambakv.groups.tables import group_block_hashes
 from mambakv.plans import KVCacheBlocks
 from mambakv.request_state import RequestState
 
-__all__ = ["CoordinatorPools", "build_pools", "build_units", "unit_table_managers"]
+__all__ = ["CoordinatorPools", "build_host_tier", "build_pools", "build_units", "unit_table_managers"]
 
 
 def build_pools(config: KVCacheConfig, enable_caching: bool,
@@ -60,6 +60,37 @@ def build_units(arena: SuperblockArena | None, managers: Sequence[SingleTypeKVCa
     if not enable_caching or not pages or not states:
         return None
     return arena.enable_units(pages, states, policy, page_tokens=managers[0].block_size)
+
+
+def build_host_tier(spec: HostTierSpec | None, config: KVCacheConfig, managers: tuple[SingleTypeKVCacheManager, ...],
+                    gpu_pages: BlockPool, gpu_slots: BlockPool, units: UnitIndex | None,
+                    enable_caching: bool, use_eagle: bool) -> HostTier | None:
+    """The host tier of `spec` over these groups, or None without a spec.
+
+    Raises:
+        InvalidSpecError: not a HostTierSpec; no prefix caching or EAGLE back-off; a group other
+            than full attention and align-mode Mamba, or groups of different block sizes; write
+            ``evict`` without the decoupled layout's units.
+    """
+    if spec is None:
+        return None
+    if not isinstance(spec, HostTierSpec):
+        raise InvalidSpecError(f"host_tier must be a HostTierSpec, got {type(spec).__name__}")
+    if not enable_caching or use_eagle:
+        raise InvalidSpecError("a host tier needs prefix caching and no EAGLE back-off")
+    pages = [m.kv_cache_group_id for m in managers if m.kind is GroupKind.FULL_ATTENTION]
+    states = [m.kv_cache_group_id for m in managers if m.kind is GroupKind.MAMBA
+              and getattr(m, "mode", None) is not None and m.mode.value == "align"]  # type: ignore[attr-defined]
+    sizes = {m.block_size for m in managers}
+    if len(pages) + len(states) != len(managers) or not pages or not states or len(sizes) != 1:
+        raise InvalidSpecError("a host tier holds units of full-attention pages and align-mode Mamba states: "
+                               "every group must be one of the two, of one block size")
+    if spec.write is HostWrite.EVICT and units is None:
+        raise InvalidSpecError("host write 'evict' needs the decoupled layout (its eviction units)")
+    policy = make_eviction_policy(spec.eviction or "lru")
+    return HostTier(spec.geometry(config.superblocks), gpu_pages=gpu_pages, gpu_slots=gpu_slots, page_gids=pages,
+                    state_gids=states, page_tokens=managers[0].block_size, policy=policy,
+                    write=spec.write)  # type: ignore[arg-type]
 
 
 def unit_table_managers(units: UnitIndex | None,

@@ -27,109 +27,16 @@ written only by a store of the plan that allocated it, and read only by a load w
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from enum import Enum
 
 from mambakv.core.arena import SuperblockArena, SuperblockGeometry
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
-from mambakv.core.errors import InvalidSpecError, as_count
 from mambakv.core.eviction import EvictionPolicy
-from mambakv.core.prefix_map import MapEntry
+from mambakv.core.host_spec import HostStats, HostTierSpec, HostWrite, copies_of, first_copy
 from mambakv.core.retention import NORMAL_RETENTION, Retention
 from mambakv.core.transfers import BlockKind, LoadPlan, Tier, Transfer
 
 __all__ = ["HostStats", "HostTier", "HostTierSpec", "HostWrite", "first_copy"]
-
-
-class HostWrite(str, Enum):
-    """When units are written to the host tier (see the module docstring)."""
-
-    THROUGH = "through"
-    EVICT = "evict"
-
-
-@dataclass(frozen=True)
-class HostTierSpec:
-    """A host tier for ``KVCacheCoordinator(host_tier=...)``.
-
-    Attributes:
-        memory_bytes: the host budget in bytes (pinned host memory on a real engine).
-        write: ``"through"`` (default) or ``"evict"`` (:class:`HostWrite`).
-        eviction: the host tier's policy (``"reuse"`` / ``"lru"``); None: ``"lru"`` (with a host
-            tier the two score the same on the trace, CACHE.md).
-        block_bytes: the unified layout only: bytes of one block id (``PagePlan.bytes_per_block``);
-            the decoupled layout takes its page and state bytes from the config.
-
-    Raises:
-        InvalidSpecError: a bad field (checked here; the geometry is checked by the coordinator).
-    """
-
-    memory_bytes: int
-    write: HostWrite | str = HostWrite.THROUGH
-    eviction: str | None = None
-    block_bytes: int | None = None
-
-    def __post_init__(self) -> None:
-        as_count(self.memory_bytes, "memory_bytes", 1, error=InvalidSpecError)
-        try:
-            object.__setattr__(self, "write", HostWrite(self.write))
-        except ValueError:
-            raise InvalidSpecError(f"host write must be 'through' or 'evict', got {self.write!r}") from None
-        if self.block_bytes is not None:
-            as_count(self.block_bytes, "block_bytes", 1, error=InvalidSpecError)
-
-    def geometry(self, device: SuperblockGeometry | None) -> SuperblockGeometry:
-        """The host arena's geometry: `device`'s page / state sizes (decoupled), or one block id
-        per page and per slot (unified, ``block_bytes``), with as many superblocks as fit.
-
-        Raises:
-            InvalidSpecError: unified without ``block_bytes``, or fewer than 2 superblocks fit.
-        """
-        if device is not None:
-            k, page, state = device.pages_per_superblock, device.page_bytes, device.state_bytes
-        elif self.block_bytes is None:
-            raise InvalidSpecError("a host tier over the unified layout needs block_bytes (bytes of one block id)")
-        else:
-            k, page, state = 1, self.block_bytes, self.block_bytes
-        n = self.memory_bytes // (k * page)
-        if n < 2:
-            raise InvalidSpecError(f"{self.memory_bytes} B of host memory hold {n} superblocks of {k * page} B; "
-                                   f"need at least 2")
-        return SuperblockGeometry(n, k, page, state)
-
-
-@dataclass
-class HostStats:
-    """Counts of the host tier (bytes are the transfers planned)."""
-
-    stores: int = 0
-    stored_pages: int = 0
-    stored_states: int = 0
-    bytes_d2h: int = 0
-    skipped_stores: int = 0
-    #: planned page / state stores dropped undone: the host reused their blocks first (their unit
-    #: was evicted before the plan ran)
-    dropped_stores: int = 0
-    loads: int = 0
-    bytes_h2d: int = 0
-    loaded_tokens: int = 0
-    aborted_loads: int = 0
-
-
-def _copies_of(m: dict[bytes, MapEntry] | None, keys: Sequence[bytes]) -> list[KVCacheBlock | None]:
-    """``first_copy(m, k)`` for each of `keys` (the map lookups in one C-level pass)."""
-    if m is None:
-        return [None] * len(keys)
-    return [e if type(e) is not dict else next(iter(e.values())) for e in map(m.get, keys)]  # type: ignore[misc]
-
-
-def first_copy(m: dict[bytes, MapEntry] | None, key: bytes) -> KVCacheBlock | None:
-    """One block cached under `key` in a group's map (a hash may have several copies), or None."""
-    e = m.get(key) if m is not None else None
-    if e is None or not isinstance(e, dict):
-        return e
-    return next(iter(e.values()))
 
 
 class HostTier:
@@ -240,7 +147,7 @@ class HostTier:
         gpu_smaps = self.gpu_slots.cached_block_hash_to_block
         known = self.host_prefix(hashes, upto)
         pinned = [first_copy(host_maps.get(gid), hashes[known - 1]) for gid in self.page_gids] if known else []
-        sources = [_copies_of(gpu_pmaps.get(gid), hashes[known:upto]) for gid in self.page_gids]
+        sources = [copies_of(gpu_pmaps.get(gid), hashes[known:upto]) for gid in self.page_gids]
         states = [[first_copy(gpu_smaps.get(gid), hashes[i]) for i in positions] for gid in self.state_gids]
         assert all(b is not None for col in sources + states for b in col), "a stored unit is not on the GPU"
         num_pages, num_slots = (upto - known) * len(self.page_gids), len(positions) * len(self.state_gids)

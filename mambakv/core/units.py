@@ -117,6 +117,26 @@ class UnitIndex:
             pool.drop_cached(blocks)
         return len(blocks)
 
+    def checkpoints(self, hashes: Sequence[bytes]) -> list[int]:
+        """Page indices of the units on the chain `hashes`, ascending: its deepest node found by
+        bisection (a chain's nodes are a prefix of it), then the walk up to the root."""
+        nodes = self.nodes
+        lo, hi = 0, len(hashes)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if hashes[mid - 1] in nodes:
+                lo = mid
+            else:
+                hi = mid - 1
+        positions: list[int] = []
+        node = nodes[hashes[lo - 1]] if lo else None
+        while node is not None:
+            if node.unit is not None:
+                positions.append(node.index)
+            node = node.parent
+        positions.reverse()
+        return positions
+
     # ------------------------------------------------------------------ admission / free
     def admit(self, hashes: Sequence[bytes], num_prompt_pages: int, hit_pages: int, now: float) -> Unit | None:
         """A request's first allocation: its leaf units on the chain were reused (their life ends

@@ -161,6 +161,26 @@ class Admission:
         self.loading.append((self.metrics.clock_ms + load_ms, sreq))
         return None
 
+    def _complete_loads(self) -> None:
+        """Loads whose time has passed: ``complete_load``, the request back at the queue's head."""
+        done = [sreq for at, sreq in self.loading if at <= self.metrics.clock_ms]
+        if not done:
+            return
+        self.loading = [(at, sreq) for at, sreq in self.loading if at > self.metrics.clock_ms]
+        t = _now()
+        for sreq in done:
+            self.coord.complete_load(sreq.request.request_id)
+        self.metrics.library_s += _now() - t
+        self.waiting.extendleft(reversed(done))
+
+    def _wait_for_load(self) -> bool:
+        """Nothing could run: jump the clock to the next load's end (False: none in flight)."""
+        if not self.loading:
+            return False
+        self.metrics.clock_ms = max(self.metrics.clock_ms, min(at for at, _ in self.loading))
+        self._complete_loads()
+        return True
+
     def _fits(self, req: Request, hits: KVCacheBlocks, hit: int) -> bool:
         """The pool can hold all of `req`'s known tokens (``num_blocks_needed``, the count
         ``allocate`` makes)."""
