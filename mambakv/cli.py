@@ -34,6 +34,7 @@ from mambakv.cli_args import (
     add_host_arguments,
     add_oracle_argument,
     check_eviction_arguments,
+    host_arguments,
     progress,
     save_hazard_table,
 )
@@ -206,8 +207,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                   acceptance_rate=args.acceptance_rate, step_ms=args.step_ms, ms_per_token=args.ms_per_token,
                   mamba_policy=_mamba_policy(args), layout=args.layout, page_tokens=args.page_tokens,
                   placement=args.placement.split(",") if args.placement else None,
-                  eviction=args.eviction, hazard_table=args.hazard_table, host_memory_gib=args.host_memory_gib,
-                  host_write=args.host_write, host_eviction=args.host_eviction, h2d_gbps=args.h2d_gbps)
+                  eviction=args.eviction, hazard_table=args.hazard_table, **host_arguments(args))
     check_eviction_arguments(args)
     bar = None
     specs: list[RequestSpec] | None = None

@@ -68,15 +68,31 @@ def add_host_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-memory-gib", type=POSITIVE, default=None, metavar="GIB",
                    help="a host-memory tier of GIB GiB holding evicted or freed units (a state and its pages); "
                         "block ids only, no host memory is allocated (default: none)")
-    p.add_argument("--host-write", choices=("through", "evict"), default="through",
+    p.add_argument("--host-write", choices=("through", "evict"), default=None,
                    help="when units go to the host tier: through (when a request is freed; default) or evict "
                         "(when the GPU tier evicts them; --layout decoupled)")
-    p.add_argument("--host-eviction", choices=("lru", "reuse"), default="lru",
+    p.add_argument("--host-eviction", choices=("lru", "reuse"), default=None,
                    help="the host tier's own eviction policy over its units (default lru: with a host tier the two "
                         "score the same on the trace, CACHE.md)")
-    p.add_argument("--h2d-gbps", type=POSITIVE, default=25.0, metavar="GBPS",
+    p.add_argument("--h2d-gbps", type=POSITIVE, default=None, metavar="GBPS",
                    help="host-to-GPU bandwidth in GB/s: a request whose hit needs a load waits for it on the "
                         "simulated clock (default 25)")
+
+
+def host_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The host tier's keywords of a run (defaults: through, lru, 25 GB/s), checked before it.
+
+    Raises:
+        InvalidSpecError: a host flag without ``--host-memory-gib`` (it would do nothing).
+    """
+    from mambakv.core.errors import InvalidSpecError
+    given = [f for f, v in (("--host-write", args.host_write), ("--host-eviction", args.host_eviction),
+                            ("--h2d-gbps", args.h2d_gbps)) if v is not None]
+    if given and args.host_memory_gib is None:
+        raise InvalidSpecError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --host-memory-gib (there is "
+                               f"no host tier without it)")
+    return {"host_memory_gib": args.host_memory_gib, "host_write": args.host_write or "through",
+            "host_eviction": args.host_eviction, "h2d_gbps": 25.0 if args.h2d_gbps is None else args.h2d_gbps}
 
 
 def add_eviction_arguments(p: argparse.ArgumentParser) -> None:

@@ -4,8 +4,10 @@ An engine that knows nothing of tiers never sees it: ``get_computed_blocks`` ret
 only. One that does, per new request::
 
     hit = coord.get_computed_blocks_tiered(request)     # may start a load (hit.load)
-    if hit.load:  run hit.load.transfers (or take_transfer_plan().loads) on a side stream;
-                  coord.complete_load(request.request_id) when done (abort_load on failure)
+    each step: plan = coord.take_transfer_plan(); run plan.stores, then plan.loads (a side
+                  stream); coord.complete_load(request_id) once a load's copies are done
+                  (abort_load on failure). Never run hit.load before the plan's stores: with
+                  write 'evict' the load's own room-making stores units that its destinations held
     blocks, n = coord.get_computed_blocks(request)      # after the load: the whole hit
     coord.allocate(request, k, num_new_computed_tokens=n, new_computed_blocks=blocks, ...)
 
@@ -199,7 +201,8 @@ class CoordinatorHost:
             self.state_block_pool.cache_full_blocks([b], [load.hashes[-1]], gid)
         host.unpin(*load.host_blocks)
         load.done = True
-        # its copies ran (from hit.load or a drained plan): never hand them out again
+        # its copies ran: never hand them out again (an engine may complete a load before the
+        # plan that carries it is drained)
         host.loads = [p for p in host.loads if p.request_id != request_id]
 
     def abort_load(self, request_id: str) -> None:

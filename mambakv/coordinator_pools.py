@@ -83,8 +83,8 @@ def build_host_tier(spec: HostTierSpec | None, config: KVCacheConfig, managers: 
               and getattr(m, "mode", None) is not None and m.mode.value == "align"]  # type: ignore[attr-defined]
     sizes = {m.block_size for m in managers}
     if len(pages) + len(states) != len(managers) or not pages or not states or len(sizes) != 1:
-        raise InvalidSpecError("a host tier holds units of full-attention pages and align-mode Mamba states: "
-                               "every group must be one of the two, of one block size")
+        raise InvalidSpecError("a host tier holds units of full-attention pages and align-mode Mamba states: it "
+                               "needs at least one group of each, no group of another kind, one block size")
     if spec.write is HostWrite.EVICT and units is None:
         raise InvalidSpecError("host write 'evict' needs the decoupled layout (its eviction units)")
     policy = make_eviction_policy(spec.eviction or "lru")

@@ -169,12 +169,16 @@ class CoordinatorResults:
         so that ``reset_prefix_cache`` can succeed with requests running. Each preempted
         request's ``num_computed_tokens`` is set to 0 (it recomputes from scratch), and every
         piece of its bookkeeping, pending state copies included, is dropped: resumed, it
-        looks up its prefix and builds a fresh table like a new request."""
+        looks up its prefix and builds a fresh table like a new request. A host-tier load (in
+        flight, or complete and not yet allocated) is aborted and its request id returned too."""
         requests = [live.request for live in self._live.values()]
         for request in requests:
             self.free(request.request_id)
             request.num_computed_tokens = 0
-        return [r.request_id for r in requests]
+        loading = list(self._loads)  # host-tier loads (in flight or held): aborted, re-queued too
+        for rid in loading:
+            self._release_load(rid)
+        return [r.request_id for r in requests] + loading
 
     def _count_admission(self, request: Request, num_hit_tokens: int) -> None:
         """PrefixCacheStats: once per admission; a Request seen before is a resumed preemption."""

@@ -488,3 +488,10 @@ def test_host_write_evict_needs_decoupled(tmp_path, capsys):
     assert main(["trace", str(p), "--quiet", "--layout", "unified", "--host-memory-gib", "1",
                  "--host-write", "evict"]) == 2
     assert "decoupled" in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("flag", [["--host-write", "evict"], ["--host-eviction", "reuse"], ["--h2d-gbps", "5"]])
+def test_host_flags_without_a_host_tier_exit_2(tmp_path, flag, capsys):
+    p = write_trace(tmp_path / "t.jsonl", HOST_ROWS)
+    assert main(["trace", str(p), "--quiet", *flag]) == 2  # they would do nothing: refused before the run
+    assert "--host-memory-gib" in _one_line_error(capsys)

@@ -12,7 +12,12 @@ from mambakv.core.block import KVCacheBlock
 from mambakv.core.errors import InvalidSpecError, as_count
 from mambakv.core.prefix_map import MapEntry
 
-__all__ = ["HostStats", "HostTierSpec", "HostWrite", "copies_of", "first_copy"]
+__all__ = ["MAX_HOST_BLOCKS", "HostStats", "HostTierSpec", "HostWrite", "copies_of", "first_copy"]
+
+#: most page ids a host tier may track: each is a Python block object (about 200 B and 9 us to
+#: build on the 2-core reference machine, so 2**24 is about 3 GiB and 2.5 minutes); 1 TiB of
+#: Qwen3-Next's 1.5 MiB pages is 0.7 M
+MAX_HOST_BLOCKS = 1 << 24
 
 
 class HostWrite(str, Enum):
@@ -32,7 +37,8 @@ class HostTierSpec:
         eviction: the host tier's policy (``"reuse"`` / ``"lru"``); None: ``"lru"`` (with a host
             tier the two score the same on the trace, CACHE.md).
         block_bytes: the unified layout only: bytes of one block id (``PagePlan.bytes_per_block``);
-            the decoupled layout takes its page and state bytes from the config.
+            the decoupled layout takes its page and state bytes from the config (giving it there
+            raises).
 
     Raises:
         InvalidSpecError: a bad field (checked here; the geometry is checked by the coordinator).
@@ -57,9 +63,13 @@ class HostTierSpec:
         per page and per slot (unified, ``block_bytes``), with as many superblocks as fit.
 
         Raises:
-            InvalidSpecError: unified without ``block_bytes``, or fewer than 2 superblocks fit.
+            InvalidSpecError: unified without ``block_bytes`` (decoupled with it), fewer than 2
+                superblocks fit, or more than ``MAX_HOST_BLOCKS`` page ids.
         """
         if device is not None:
+            if self.block_bytes is not None:
+                raise InvalidSpecError("block_bytes is for the unified layout: the decoupled one takes its page and "
+                                       "state bytes from the config")
             k, page, state = device.pages_per_superblock, device.page_bytes, device.state_bytes
         elif self.block_bytes is None:
             raise InvalidSpecError("a host tier over the unified layout needs block_bytes (bytes of one block id)")
@@ -69,6 +79,9 @@ class HostTierSpec:
         if n < 2:
             raise InvalidSpecError(f"{self.memory_bytes} B of host memory hold {n} superblocks of {k * page} B; "
                                    f"need at least 2")
+        if n * k > MAX_HOST_BLOCKS:
+            raise InvalidSpecError(f"{self.memory_bytes} B of host memory hold {n * k:,} page ids of {page} B; the host "
+                                   f"tier tracks at most {MAX_HOST_BLOCKS:,} (one Python block object each)")
         return SuperblockGeometry(n, k, page, state)
 
 

@@ -174,9 +174,12 @@ class HostArena:
                 is GPU -> HOST, a load HOST -> GPU), an unknown kind, a non-int id or one out of
                 range of its side (device: the layout's pages / slots / blocks; host: the host
                 geometry's), the null id 0 as a source or destination, a destination twice (or,
-                decoupled, a slot's superblock also a page destination) in one batch, or
-                ``num_bytes`` other than the geometry's ``page_bytes`` (PAGE) / ``state_bytes`` (STATE).
+                decoupled, a slot's superblock also a page destination) in one batch,
+                ``num_bytes`` other than the geometry's ``page_bytes`` (PAGE) / ``state_bytes`` (STATE),
+                or `plan` not a TransferPlan.
         """
+        if not isinstance(plan, TransferPlan):
+            raise InvalidCopyPlanError(f"run needs a TransferPlan (take_transfer_plan()), got {type(plan).__name__}")
         stores = self._check(list(plan.stores), to_host=True)
         loads = self._check([t for p in plan.loads for t in p.transfers], to_host=False)
         return self._copy(stores, to_host=True, stream=stream) + self._copy(loads, to_host=False, stream=stream)

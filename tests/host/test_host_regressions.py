@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from mambakv import Request
+import pytest
+
+from mambakv import HostTierSpec, InvalidSpecError, Request
+from tests.eviction.test_units import config
 from tests.host.harness import B2, HostHarness
 
 
@@ -180,3 +183,50 @@ def test_host_hits_count_only_at_a_first_admission():
     stats = c.prefix_cache_stats
     assert (stats.hits - hits0, stats.preempted_hits, stats.host_hits) == (12, 20, 0)
     assert stats.hit_rate_gpu == stats.hit_rate
+
+
+@pytest.mark.parametrize("complete", [False, True])
+def test_preempt_all_aborts_loads_so_reset_succeeds(complete):
+    # docs/engine-integration.md: preempt_all() then reset_prefix_cache() with requests running.
+    # A load in flight (or complete, not yet allocated) holds GPU blocks and pins host ones:
+    # before the fix preempt_all left it, and the reset returned False.
+    h = HostHarness()
+    c = h.coord
+    h.evict_b()
+    c.take_transfer_plan()
+    hit = c.get_computed_blocks_tiered(Request("B2", B2), now=50.0)
+    assert hit.load is not None
+    if complete:
+        c.complete_load("B2")
+    assert c.preempt_all() == ["B2"]
+    c.check_invariants()
+    assert not c.load_pending("B2") and c.take_transfer_plan().loads == ()
+    assert c.reset_prefix_cache()
+    c.check_invariants()
+    assert len(c.host.units.nodes) == 0 and c.get_computed_blocks(Request("B3", B2))[1] == 0
+
+
+def test_host_spec_refusals():
+    from mambakv.core.host_spec import MAX_HOST_BLOCKS
+    from mambakv.core.spec import KVCacheConfig
+
+    geo = config(12).superblocks
+    assert isinstance(config(12), KVCacheConfig) and geo is not None
+    with pytest.raises(InvalidSpecError, match="unified"):  # decoupled: the sizes come from the config
+        HostTierSpec(1 << 20, block_bytes=100).geometry(geo)
+    # 256 B superblocks of 2 pages: MAX_HOST_BLOCKS pages is MAX_HOST_BLOCKS // 2 superblocks
+    HostTierSpec(MAX_HOST_BLOCKS // 2 * 256).geometry(geo)
+    with pytest.raises(InvalidSpecError, match="at most"):  # before: built 2**69 blocks without end
+        HostTierSpec(1 << 70).geometry(geo)
+
+
+def test_host_arena_run_needs_a_transfer_plan():
+    from mambakv.core.errors import InvalidCopyPlanError
+    from mambakv.device import HostArena
+    from mambakv.device.decoupled import DecoupledLayout
+
+    h = HostHarness()
+    arena = HostArena(DecoupledLayout(h.coord.kv_cache_config, device="cpu"), h.coord.host.geometry)
+    for bad in (None, [1, 2], ((), ())):
+        with pytest.raises(InvalidCopyPlanError, match="TransferPlan"):
+            arena.run(bad)  # type: ignore[arg-type]
