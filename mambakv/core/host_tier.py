@@ -33,6 +33,7 @@ from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
 from mambakv.core.eviction import EvictionPolicy
 from mambakv.core.host_spec import HostStats, HostTierSpec, HostWrite, copies_of, first_copy
+from mambakv.core.prefix_map import PrefixMap
 from mambakv.core.retention import NORMAL_RETENTION, Retention
 from mambakv.core.transfers import BlockKind, LoadPlan, Tier, Transfer
 
@@ -57,6 +58,8 @@ class HostTier:
         self.geometry = geometry
         self.arena = SuperblockArena(geometry)
         self.units = self.arena.enable_units(page_gids, state_gids, policy, page_tokens=page_tokens)
+        # a loss (evict_blocks, a fallback pop) is followed up by the tier's settle: the pins too
+        self.arena.pages.after_evict = self.arena.slots.after_evict = self.settle
         self.gpu_pages, self.gpu_slots = gpu_pages, gpu_slots
         self.page_gids, self.state_gids = tuple(page_gids), tuple(state_gids)
         self.page_tokens, self.write = page_tokens, write
@@ -65,6 +68,8 @@ class HostTier:
         #: coordinator's ``take_transfer_plan``, with the loads started since)
         self.stores: list[Transfer] = []
         self.loads: list[LoadPlan] = []
+        #: host blocks the loads in flight read -> how many loads pin each
+        self.pins: dict[KVCacheBlock, int] = {}
 
     # ------------------------------------------------------------------ lookups
     def _present(self, pool: BlockPool, gids: tuple[int, ...], key: bytes) -> bool:
@@ -158,7 +163,7 @@ class HostTier:
             ok = arena.pages.get_num_free_blocks() >= num_pages
         if not ok:
             arena.pages.free_blocks(pinned)  # type: ignore[arg-type]
-            arena.settle()
+            self.settle()
             self.stats.skipped_stores += 1
             return False
         g = self.geometry
@@ -184,7 +189,7 @@ class HostTier:
         arena.pages.free_blocks([b for t in tables for b in reversed(t)] + pinned)  # type: ignore[operator]
         # a new state above the known prefix (its pages came with a deeper chain) starts the walk there
         self.units.add_chain(hashes, known, positions, retain=retain, now=now, prompt_tokens=prompt_tokens)
-        arena.settle()
+        self.settle()
         s = self.stats
         s.stores += 1
         s.stored_pages += num_pages
@@ -238,7 +243,31 @@ class HostTier:
                 states.append((gid, b))
         self.arena.pages.touch([b for _, _, b in pages])
         self.arena.slots.touch([b for _, b in states])
+        pins = self.pins
+        for b in [b for _, _, b in pages] + [b for _, b in states]:
+            pins[b] = pins.get(b, 0) + 1
         return pages, states
+
+    def settle(self) -> None:
+        """The host arena's ``settle`` (what a fallback pop made unreachable goes), then the pinned
+        blocks it left outside the tree (a lost ancestor page takes its subtree's nodes, but a
+        load still reads its pinned blocks): their hashes go, so that no cached host block is
+        outside the tree and no later store or lookup takes one for a node. The load's data
+        stays valid: a pinned block is not reused."""
+        self.arena.settle()
+        if not self.pins:
+            return
+        nodes = self.units.nodes
+        pages, slots = self.arena.pages, self.arena.slots
+        for b in self.pins:
+            key = b.block_hash
+            if key is None:
+                continue
+            if b.pool_id == pages.pool_id:
+                if key not in nodes:
+                    PrefixMap.remove(pages.prefix_map, b)
+            elif (node := nodes.get(key)) is None or node.unit is None:
+                PrefixMap.remove(slots.prefix_map, b)
 
     def unpin(self, pages: Sequence[KVCacheBlock], slots: Sequence[KVCacheBlock]) -> None:
         """Release a load's pins (its blocks stay cached: the host keeps the unit). What the host
@@ -246,6 +275,11 @@ class HostTier:
         reused) is dropped, as the unit index drops unreachable blocks."""
         self.arena.slots.free_blocks(list(slots))
         self.arena.pages.free_blocks(list(pages))
+        pins = self.pins
+        for b in list(pages) + list(slots):
+            left = pins.pop(b) - 1
+            if left:
+                pins[b] = left
         nodes = self.units.nodes
         lost = [b for b in slots if b.block_hash is not None and not b.ref_cnt
                 and ((n := nodes.get(b.block_hash)) is None or n.unit is None)]
@@ -260,9 +294,18 @@ class HostTier:
                 self.units.prune(node)
 
     def check_invariants(self) -> None:
-        """The host arena's and its units' invariants; stores only name blocks of their kind."""
+        """The host arena's and its units' invariants; a pinned block is held at least once per
+        load that pins it, and a cached one is in the tree (a page: a node; a state: a unit);
+        stores only name blocks of their kind."""
         self.arena.check_invariants()
         self.units.check_invariants()
+        nodes = self.units.nodes
+        for b, n in self.pins.items():
+            assert n > 0 and b.ref_cnt >= n, f"host block {b.block_id}: {n} pins, ref {b.ref_cnt}"
+            if b.block_hash is not None:
+                node = nodes.get(b.block_hash)
+                assert node is not None and (b.pool_id == self.arena.pages.pool_id or node.unit is not None), \
+                    f"pinned host block {b.block_id} cached outside the tree"
         g = self.geometry
         for t in self.stores:
             limit = g.num_pages if t.kind is BlockKind.PAGE else g.num_superblocks

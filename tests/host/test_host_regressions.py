@@ -6,7 +6,7 @@ import pytest
 
 from mambakv import HostTierSpec, InvalidSpecError, Request
 from tests.eviction.test_units import config
-from tests.host.harness import B2, HostHarness
+from tests.host.harness import B2, A, HostHarness
 
 
 def test_completed_load_is_not_handed_out_again():
@@ -230,3 +230,31 @@ def test_host_arena_run_needs_a_transfer_plan():
     for bad in (None, [1, 2], ((), ())):
         with pytest.raises(InvalidCopyPlanError, match="TransferPlan"):
             arena.run(bad)  # type: ignore[arg-type]
+
+
+def test_pinned_blocks_a_loss_cut_off_leave_the_tree_and_a_store_refills_it():
+    # A's unit on the host: pages 0..2, the state at 2 (write-through). A load pins page 2 and the
+    # state (as one whose GPU part holds pages 0..1 would); then the host loses page 0 (evict_blocks,
+    # as a fallback pop would): its subtree goes, but the pinned page 2 and state stay cached, held.
+    # Before the fix they stayed cached outside the tree: the next store of A's chain saw the state
+    # "on the host", stored nothing, and the host kept no unit of A (the fuzzer also hit a KeyError
+    # when such a page sat past the bisected host prefix, and a new node on an orphan state).
+    h = HostHarness()
+    c = h.coord
+    h.run("A", A, 0.0)
+    host = c.host
+    probe = Request("q", A, max_tokens=1)
+    probe.set_hash_block_size(4)
+    keys = probe.block_hashes
+    assert [n.index for n in host.units.nodes.values() if n.unit is not None] == [2]
+    pages, slots = host.pin(keys, [2], 2)
+    page0 = host.arena.pages.cached_block_hash_to_block[0][keys[0]]
+    host.arena.pages.evict_blocks([page0.block_id])
+    c.check_invariants()  # the pinned page and state left the tree and lost their hashes
+    assert not host.units.nodes and not host.host_state(keys[2]) and not host.host_page(keys[2])
+    assert host.store_chain(keys, [2], now=1.0)  # A's chain is still on the GPU: stored again
+    assert [n.index for n in host.units.nodes.values() if n.unit is not None] == [2]
+    c.check_invariants()
+    host.unpin([b for _, _, b in pages], [b for _, b in slots])
+    c.check_invariants()
+    assert host.pins == {} and host.host_state(keys[2])
