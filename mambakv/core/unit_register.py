@@ -91,10 +91,10 @@ def register_chain(ix: UnitIndex, hashes: Sequence[bytes], tables: Sequence[Sequ
         if node is None:
             node = nodes[key] = Node(key, prev, i)
             if prev is not None:
-                if prev.unit is not None and not prev.children:
-                    prev.add_child(node, policy)  # a leaf unit gets a child: out of the leaf queues
+                if prev.kids is None and prev.unit is None:  # the common case, inline
+                    prev.kids = node
                 else:
-                    prev.children[key] = node
+                    prev.add_child(node, policy)  # a leaf unit gets a child: out of the leaf queues
         if key in first:
             if state_present(key):
                 unit = node.unit
@@ -164,10 +164,10 @@ def add_chain(ix: UnitIndex, hashes: Sequence[bytes], start: int, positions: Seq
             if node is None:
                 node = nodes[key] = Node(key, prev, j)
                 if prev is not None:
-                    if prev.unit is not None and not prev.children:
-                        prev.add_child(node, policy)  # a leaf unit gets a child: out of the leaf queues
+                    if prev.kids is None and prev.unit is None:  # the common case, inline
+                        prev.kids = node
                     else:
-                        prev.children[key] = node
+                        prev.add_child(node, policy)  # a leaf unit gets a child: out of the leaf queues
             prev = node
             j += 1
         assert prev is not None and prev.index == p and prev.unit is None, f"page {p} is a unit already"

@@ -183,7 +183,7 @@ class UnitIndex:
         blocks: list[KVCacheBlock] = []
         n: Node | None = node
         single = maps.get(gids[0]) if len(gids) == 1 else None
-        while n is not None and not n.children and n.unit is None:
+        while n is not None and n.kids is None and n.unit is None:
             e = single.get(n.key) if single is not None else None
             if e is not None and not isinstance(e, dict):  # one copy in the one group: the common case
                 if e.ref_cnt:
@@ -196,10 +196,13 @@ class UnitIndex:
             del nodes[n.key]
             parent = n.parent
             if parent is not None:
-                del parent.children[n.key]
+                if parent.kids is n:
+                    parent.kids = None
+                else:
+                    parent.remove_child(n)
             n = parent
         else:
-            if n is not None and n.unit is not None and not n.children and not n.unit.leaf:
+            if n is not None and n.unit is not None and n.kids is None and not n.unit.leaf:
                 n.unit.last_use = self.now  # its life as a leaf starts now (ages are since then)
                 policy.add_leaf(n.unit)
         if blocks:
@@ -241,7 +244,7 @@ class UnitIndex:
             del self.nodes[n.key]
         parent = node.parent
         if parent is not None:
-            parent.remove_child(node, self.policy)
+            parent.remove_child(node)
             self.prune(parent)
 
     def clear(self) -> None:
