@@ -85,15 +85,20 @@ def register_chain(ix: UnitIndex, hashes: Sequence[bytes], tables: Sequence[Sequ
         up = up.parent
     if up is not None:
         last_index = up.index
+    fresh = False  # past the tree: nodes are closed under parents, so no later page is a node
     for i in range(start, d + 1):
         key = hashes[i]
-        node = nodes.get(key)
-        if node is None:
+        if fresh:  # a new node below the new node before it (its unit, if any, is no leaf yet)
             node = nodes[key] = Node(key, prev, i)
-            if prev is not None:
-                if prev.kids is None and prev.unit is None:  # the common case, inline
-                    prev.kids = node
-                else:
+            prev.kids = node  # type: ignore[union-attr]
+        else:
+            got = nodes.get(key)
+            if got is not None:
+                node = got
+            else:
+                fresh = True
+                node = nodes[key] = Node(key, prev, i)
+                if prev is not None:
                     prev.add_child(node, policy)  # a leaf unit gets a child: out of the leaf queues
         if key in first:
             if state_present(key):
@@ -118,9 +123,9 @@ def register_chain(ix: UnitIndex, hashes: Sequence[bytes], tables: Sequence[Sequ
     blocks: list[KVCacheBlock] = []
     for i in range(d + 1, n):
         key = hashes[i]
-        node = nodes.get(key)
-        if node is not None:
-            prev = node
+        tail_node = nodes.get(key)
+        if tail_node is not None:
+            prev = tail_node
             continue
         if (key in first or _partial(key, others)) and ix._drop(ix.slots, ix.state_gids, key):
             ix.stats.partial_states += 1
@@ -157,16 +162,21 @@ def add_chain(ix: UnitIndex, hashes: Sequence[bytes], start: int, positions: Seq
     cls = unit_class(1, None, prompt_tokens)
     unit: Unit | None = None
     j = start  # the next page to make a node of
+    fresh = False  # past the tree: nodes are closed under parents, so no later page is a node
     for p in positions:
         while j <= p:
             key = hashes[j]
-            node = nodes.get(key)
-            if node is None:
+            if fresh:  # the hot case: a new node below the new node before it
                 node = nodes[key] = Node(key, prev, j)
-                if prev is not None:
-                    if prev.kids is None and prev.unit is None:  # the common case, inline
-                        prev.kids = node
-                    else:
+                prev.kids = node  # type: ignore[union-attr]
+            else:
+                got = nodes.get(key)
+                if got is not None:
+                    node = got
+                else:
+                    fresh = True
+                    node = nodes[key] = Node(key, prev, j)
+                    if prev is not None:
                         prev.add_child(node, policy)  # a leaf unit gets a child: out of the leaf queues
             prev = node
             j += 1

@@ -184,16 +184,17 @@ class UnitIndex:
         n: Node | None = node
         single = maps.get(gids[0]) if len(gids) == 1 else None
         while n is not None and n.kids is None and n.unit is None:
-            e = single.get(n.key) if single is not None else None
+            key = n.key
+            e = single.get(key) if single is not None else None
             if e is not None and not isinstance(e, dict):  # one copy in the one group: the common case
                 if e.ref_cnt:
                     break
                 blocks.append(e)
-            elif _held(maps, gids, n.key):
+            elif _held(maps, gids, key):
                 break
             else:
-                self._free_copies(pages, gids, n.key, blocks)
-            del nodes[n.key]
+                self._free_copies(pages, gids, key, blocks)
+            del nodes[key]
             parent = n.parent
             if parent is not None:
                 if parent.kids is n:
