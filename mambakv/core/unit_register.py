@@ -85,19 +85,24 @@ def register_chain(ix: UnitIndex, hashes: Sequence[bytes], tables: Sequence[Sequ
         up = up.parent
     if up is not None:
         last_index = up.index
+    new_node, spare = ix.new_node, ix.spare
     fresh = False  # past the tree: nodes are closed under parents, so no later page is a node
     for i in range(start, d + 1):
         key = hashes[i]
         if fresh:  # a new node below the new node before it (its unit, if any, is no leaf yet)
-            node = nodes[key] = Node(key, prev, i)
-            prev.kids = node  # type: ignore[union-attr]
+            if spare:  # ix.new_node, inlined
+                node = spare.pop()
+                node.key, node.parent, node.index = key, prev, i
+            else:
+                node = Node(key, prev, i)
+            nodes[key] = prev.kids = node  # type: ignore[union-attr]
         else:
             got = nodes.get(key)
             if got is not None:
                 node = got
             else:
                 fresh = True
-                node = nodes[key] = Node(key, prev, i)
+                node = new_node(key, prev, i)
                 if prev is not None:
                     prev.add_child(node, policy)  # a leaf unit gets a child: out of the leaf queues
         if key in first:
@@ -162,20 +167,25 @@ def add_chain(ix: UnitIndex, hashes: Sequence[bytes], start: int, positions: Seq
     cls = unit_class(1, None, prompt_tokens)
     unit: Unit | None = None
     j = start  # the next page to make a node of
+    new_node, spare = ix.new_node, ix.spare
     fresh = False  # past the tree: nodes are closed under parents, so no later page is a node
     for p in positions:
         while j <= p:
             key = hashes[j]
             if fresh:  # the hot case: a new node below the new node before it
-                node = nodes[key] = Node(key, prev, j)
-                prev.kids = node  # type: ignore[union-attr]
+                if spare:  # ix.new_node, inlined
+                    node = spare.pop()
+                    node.key, node.parent, node.index = key, prev, j
+                else:
+                    node = Node(key, prev, j)
+                nodes[key] = prev.kids = node  # type: ignore[union-attr]
             else:
                 got = nodes.get(key)
                 if got is not None:
                     node = got
                 else:
                     fresh = True
-                    node = nodes[key] = Node(key, prev, j)
+                    node = new_node(key, prev, j)
                     if prev is not None:
                         prev.add_child(node, policy)  # a leaf unit gets a child: out of the leaf queues
             prev = node

@@ -36,6 +36,10 @@ from mambakv.core.unit_types import Node, Unit, UnitStats, unit_class
 __all__ = ["Node", "Unit", "UnitIndex", "UnitStats", "unit_class"]
 
 
+#: most pruned nodes kept for reuse
+_SPARE_NODES = 1 << 16
+
+
 def _in_every(maps: dict[int, dict[bytes, MapEntry]], gids: tuple[int, ...], key: bytes) -> bool:
     """Every group of `gids` caches a block under `key`."""
     for gid in gids:
@@ -82,6 +86,9 @@ class UnitIndex:
         self.page_tokens, self.page_bytes, self.slot_bytes = page_tokens, page_bytes, slot_bytes
         self.policy = policy
         self.nodes: dict[bytes, Node] = {}
+        #: pruned nodes kept for reuse (``new_node``): a reused node is no new GC-tracked object,
+        #: so the page churn of a host tier promotes nothing to the old generation
+        self.spare: list[Node] = []
         self.stats = UnitStats()
         policy.configure(page_tokens=page_tokens, page_bytes=page_bytes, slot_bytes=slot_bytes,
                          num_states=len(self.state_gids), stats=self.stats)
@@ -116,6 +123,17 @@ class UnitIndex:
         if blocks:
             pool.drop_cached(blocks)
         return len(blocks)
+
+    def new_node(self, key: bytes, parent: Node | None, index: int) -> Node:
+        """``nodes[key]``: a new node (a spare one when there is one), linked by the caller."""
+        spare = self.spare
+        if spare:
+            node = spare.pop()
+            node.key, node.parent, node.index = key, parent, index
+        else:
+            node = Node(key, parent, index)
+        self.nodes[key] = node
+        return node
 
     # ------------------------------------------------------------------ admission / free
     def admit(self, hashes: Sequence[bytes], num_prompt_pages: int, hit_pages: int, now: float) -> Unit | None:
@@ -178,7 +196,7 @@ class UnitIndex:
     def prune(self, node: Node) -> int:
         """Drop pages from `node` up while a page has no child, no state and no holder; a unit
         left without children becomes a leaf. Returns the pages freed."""
-        nodes, policy, pages, gids = self.nodes, self.policy, self.pages, self.page_gids
+        nodes, policy, pages, gids, spare = self.nodes, self.policy, self.pages, self.page_gids, self.spare
         maps = pages.cached_block_hash_to_block
         blocks: list[KVCacheBlock] = []
         n: Node | None = node
@@ -201,6 +219,9 @@ class UnitIndex:
                     parent.kids = None
                 else:
                     parent.remove_child(n)
+                n.parent = None
+            if len(spare) < _SPARE_NODES:  # no children, no unit: as new once re-keyed
+                spare.append(n)
             n = parent
         else:
             if n is not None and n.unit is not None and n.kids is None and not n.unit.leaf:
