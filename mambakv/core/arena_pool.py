@@ -106,9 +106,15 @@ class ArenaPool(BlockPool):
         (free without eviction), as ``evict_blocks`` does; nothing is recorded in ``lost``."""
         PrefixMap.remove_many(self.prefix_map, blocks)
         q = self.free_block_queue
-        for b in blocks:
+        for b in blocks:  # the queue's remove, inlined (hot); prepend_n relinks b
             assert b.ref_cnt == 0 and not b.is_null, f"block {b.block_id} is in a table"
-            q.remove(b)
+            prev, nxt = b.prev_free_block, b.next_free_block
+            if prev is None or nxt is None:
+                raise BlockNotFreeError(f"block {b.block_id} is not in the free queue")
+            prev.next_free_block = nxt
+            nxt.prev_free_block = prev
+            b.prev_free_block = None  # a block listed twice raises, as remove does
+        q.num_free_blocks -= len(blocks)
         q.prepend_n(blocks, checked=False)
 
     def superblock_blocks(self, sb: int) -> list[KVCacheBlock]:

@@ -27,6 +27,9 @@ written only by a store of the plan that allocated it, and read only by a load w
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
+from itertools import repeat
+from operator import attrgetter
 
 from mambakv.core.arena import SuperblockArena, SuperblockGeometry
 from mambakv.core.block import KVCacheBlock
@@ -38,6 +41,10 @@ from mambakv.core.retention import NORMAL_RETENTION, Retention
 from mambakv.core.transfers import BlockKind, LoadPlan, Tier, Transfer
 
 __all__ = ["HostStats", "HostTier", "HostTierSpec", "HostWrite", "first_copy"]
+
+
+_block_id = attrgetter("block_id")
+_new_transfer = partial(tuple.__new__, Transfer)
 
 
 class HostTier:
@@ -154,7 +161,7 @@ class HostTier:
         pinned = [first_copy(host_maps.get(gid), hashes[known - 1]) for gid in self.page_gids] if known else []
         sources = [copies_of(gpu_pmaps.get(gid), hashes[known:upto]) for gid in self.page_gids]
         states = [[first_copy(gpu_smaps.get(gid), hashes[i]) for i in positions] for gid in self.state_gids]
-        assert all(b is not None for col in sources + states for b in col), "a stored unit is not on the GPU"
+        assert all(None not in col for col in sources + states), "a stored unit is not on the GPU"
         num_pages, num_slots = (upto - known) * len(self.page_gids), len(positions) * len(self.state_gids)
         arena.pages.touch(pinned)  # type: ignore[arg-type]
         ok = arena.can_supply(num_pages, num_slots)
@@ -175,9 +182,10 @@ class HostTier:
         tables: list[list[KVCacheBlock]] = []
         for gid, col, dst in zip(self.page_gids, sources, page_dsts):
             arena.pages.cache_full_blocks(dst, hashes[known:upto], gid)
-            new = tuple.__new__  # a Transfer without NamedTuple's Python-level __new__: one per stored page
-            stores.extend([new(Transfer, (Tier.GPU, src.block_id, Tier.HOST, hb.block_id, g.page_bytes,  # type: ignore[union-attr]
-                                          BlockKind.PAGE, gid)) for src, hb in zip(col, dst)])
+            # one Transfer per stored page, built in C (no NamedTuple __new__, no per-page bytecode)
+            fields = zip(repeat(Tier.GPU), map(_block_id, col), repeat(Tier.HOST), map(_block_id, dst),
+                         repeat(g.page_bytes), repeat(BlockKind.PAGE), repeat(gid))
+            stores.extend(map(_new_transfer, fields))
             tables.append(dst)
         slot_blocks: list[KVCacheBlock] = []
         for gid, col, dst in zip(self.state_gids, states, slot_dsts):

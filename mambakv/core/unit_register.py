@@ -85,16 +85,26 @@ def register_chain(ix: UnitIndex, hashes: Sequence[bytes], tables: Sequence[Sequ
         up = up.parent
     if up is not None:
         last_index = up.index
+    new_node, spare = ix.new_node, ix.spare
+    fresh = False  # past the tree: nodes are closed under parents, so no later page is a node
     for i in range(start, d + 1):
         key = hashes[i]
-        node = nodes.get(key)
-        if node is None:
-            node = nodes[key] = Node(key, prev, i)
-            if prev is not None:
-                if prev.unit is not None and not prev.children:
+        if fresh:  # a new node below the new node before it (its unit, if any, is no leaf yet)
+            if spare:  # ix.new_node, inlined
+                node = spare.pop()
+                node.key, node.parent, node.index = key, prev, i
+            else:
+                node = Node(key, prev, i)
+            nodes[key] = prev.kids = node  # type: ignore[union-attr]
+        else:
+            got = nodes.get(key)
+            if got is not None:
+                node = got
+            else:
+                fresh = True
+                node = new_node(key, prev, i)
+                if prev is not None:
                     prev.add_child(node, policy)  # a leaf unit gets a child: out of the leaf queues
-                else:
-                    prev.children[key] = node
         if key in first:
             if state_present(key):
                 unit = node.unit
@@ -118,9 +128,9 @@ def register_chain(ix: UnitIndex, hashes: Sequence[bytes], tables: Sequence[Sequ
     blocks: list[KVCacheBlock] = []
     for i in range(d + 1, n):
         key = hashes[i]
-        node = nodes.get(key)
-        if node is not None:
-            prev = node
+        tail_node = nodes.get(key)
+        if tail_node is not None:
+            prev = tail_node
             continue
         if (key in first or _partial(key, others)) and ix._drop(ix.slots, ix.state_gids, key):
             ix.stats.partial_states += 1
@@ -157,17 +167,27 @@ def add_chain(ix: UnitIndex, hashes: Sequence[bytes], start: int, positions: Seq
     cls = unit_class(1, None, prompt_tokens)
     unit: Unit | None = None
     j = start  # the next page to make a node of
+    new_node, spare = ix.new_node, ix.spare
+    fresh = False  # past the tree: nodes are closed under parents, so no later page is a node
     for p in positions:
         while j <= p:
             key = hashes[j]
-            node = nodes.get(key)
-            if node is None:
-                node = nodes[key] = Node(key, prev, j)
-                if prev is not None:
-                    if prev.unit is not None and not prev.children:
+            if fresh:  # the hot case: a new node below the new node before it
+                if spare:  # ix.new_node, inlined
+                    node = spare.pop()
+                    node.key, node.parent, node.index = key, prev, j
+                else:
+                    node = Node(key, prev, j)
+                nodes[key] = prev.kids = node  # type: ignore[union-attr]
+            else:
+                got = nodes.get(key)
+                if got is not None:
+                    node = got
+                else:
+                    fresh = True
+                    node = new_node(key, prev, j)
+                    if prev is not None:
                         prev.add_child(node, policy)  # a leaf unit gets a child: out of the leaf queues
-                    else:
-                        prev.children[key] = node
             prev = node
             j += 1
         assert prev is not None and prev.index == p and prev.unit is None, f"page {p} is a unit already"

@@ -15,7 +15,9 @@ are used).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from mambakv.core.retention import Retention
 
@@ -47,24 +49,56 @@ CLASS_NAMES = tuple(_class_name(c) for c in range(NUM_CLASSES))
 
 class Node:
     """One cached page hash of the tree: its parent, children (by hash) and unit (if a
-    checkpoint)."""
+    checkpoint).
 
-    __slots__ = ("key", "parent", "children", "index", "unit")
+    Most pages have one child: ``kids`` holds None (no child), the one child Node, or a dict
+    (hash -> Node) of two or more (a branch point), so a chain costs one GC-tracked object per
+    page rather than two. ``children`` reads them as a mapping (in insertion order)."""
+
+    __slots__ = ("key", "parent", "kids", "index", "unit")
 
     def __init__(self, key: bytes, parent: Node | None, index: int) -> None:
         self.key = key
         self.parent = parent
         self.index = index  # page index on the chain (tokens = (index + 1) x page_tokens)
-        self.children: dict[bytes, Node] = {}
+        self.kids: Node | dict[bytes, Node] | None = None
         self.unit: Unit | None = None
 
-    def add_child(self, node: Node, policy: object) -> None:
-        if not self.children and self.unit is not None and self.unit.leaf:
-            policy.remove_leaf(self.unit)  # type: ignore[attr-defined]
-        self.children[node.key] = node
+    @property
+    def children(self) -> Mapping[bytes, Node]:
+        """The children by hash (read-only: change them with ``add_child`` / ``remove_child``)."""
+        k = self.kids
+        if k is None:
+            return _NO_CHILDREN
+        if isinstance(k, Node):
+            return {k.key: k}
+        return MappingProxyType(k)
 
-    def remove_child(self, node: Node, policy: object) -> None:
-        del self.children[node.key]
+    def add_child(self, node: Node, policy: object) -> None:
+        """Link `node` below this one; a leaf unit here leaves the policy's leaf queues."""
+        k = self.kids
+        if k is None:
+            if self.unit is not None and self.unit.leaf:
+                policy.remove_leaf(self.unit)  # type: ignore[attr-defined]
+            self.kids = node
+        elif isinstance(k, Node):
+            self.kids = {k.key: k, node.key: node}
+        else:
+            k[node.key] = node
+
+    def remove_child(self, node: Node) -> None:
+        """Unlink the child `node` (a branch left with one child holds it directly again)."""
+        k = self.kids
+        if k is node:
+            self.kids = None
+            return
+        assert isinstance(k, dict), "not a child"
+        del k[node.key]
+        if len(k) == 1:
+            self.kids = next(iter(k.values()))
+
+
+_NO_CHILDREN: Mapping[bytes, Node] = MappingProxyType({})
 
 
 class Unit:

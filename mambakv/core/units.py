@@ -36,6 +36,10 @@ from mambakv.core.unit_types import Node, Unit, UnitStats, unit_class
 __all__ = ["Node", "Unit", "UnitIndex", "UnitStats", "unit_class"]
 
 
+#: most pruned nodes kept for reuse
+_SPARE_NODES = 1 << 16
+
+
 def _in_every(maps: dict[int, dict[bytes, MapEntry]], gids: tuple[int, ...], key: bytes) -> bool:
     """Every group of `gids` caches a block under `key`."""
     for gid in gids:
@@ -82,6 +86,9 @@ class UnitIndex:
         self.page_tokens, self.page_bytes, self.slot_bytes = page_tokens, page_bytes, slot_bytes
         self.policy = policy
         self.nodes: dict[bytes, Node] = {}
+        #: pruned nodes kept for reuse (``new_node``): a reused node is no new GC-tracked object,
+        #: so the page churn of a host tier promotes nothing to the old generation
+        self.spare: list[Node] = []
         self.stats = UnitStats()
         policy.configure(page_tokens=page_tokens, page_bytes=page_bytes, slot_bytes=slot_bytes,
                          num_states=len(self.state_gids), stats=self.stats)
@@ -136,6 +143,17 @@ class UnitIndex:
             node = node.parent
         positions.reverse()
         return positions
+
+    def new_node(self, key: bytes, parent: Node | None, index: int) -> Node:
+        """``nodes[key]``: a new node (a spare one when there is one), linked by the caller."""
+        spare = self.spare
+        if spare:
+            node = spare.pop()
+            node.key, node.parent, node.index = key, parent, index
+        else:
+            node = Node(key, parent, index)
+        self.nodes[key] = node
+        return node
 
     # ------------------------------------------------------------------ admission / free
     def admit(self, hashes: Sequence[bytes], num_prompt_pages: int, hit_pages: int, now: float) -> Unit | None:
@@ -198,28 +216,35 @@ class UnitIndex:
     def prune(self, node: Node) -> int:
         """Drop pages from `node` up while a page has no child, no state and no holder; a unit
         left without children becomes a leaf. Returns the pages freed."""
-        nodes, policy, pages, gids = self.nodes, self.policy, self.pages, self.page_gids
+        nodes, policy, pages, gids, spare = self.nodes, self.policy, self.pages, self.page_gids, self.spare
         maps = pages.cached_block_hash_to_block
         blocks: list[KVCacheBlock] = []
         n: Node | None = node
         single = maps.get(gids[0]) if len(gids) == 1 else None
-        while n is not None and not n.children and n.unit is None:
-            e = single.get(n.key) if single is not None else None
+        while n is not None and n.kids is None and n.unit is None:
+            key = n.key
+            e = single.get(key) if single is not None else None
             if e is not None and not isinstance(e, dict):  # one copy in the one group: the common case
                 if e.ref_cnt:
                     break
                 blocks.append(e)
-            elif _held(maps, gids, n.key):
+            elif _held(maps, gids, key):
                 break
             else:
-                self._free_copies(pages, gids, n.key, blocks)
-            del nodes[n.key]
+                self._free_copies(pages, gids, key, blocks)
+            del nodes[key]
             parent = n.parent
             if parent is not None:
-                del parent.children[n.key]
+                if parent.kids is n:
+                    parent.kids = None
+                else:
+                    parent.remove_child(n)
+                n.parent = None
+            if len(spare) < _SPARE_NODES:  # no children, no unit: as new once re-keyed
+                spare.append(n)
             n = parent
         else:
-            if n is not None and n.unit is not None and not n.children and not n.unit.leaf:
+            if n is not None and n.unit is not None and n.kids is None and not n.unit.leaf:
                 n.unit.last_use = self.now  # its life as a leaf starts now (ages are since then)
                 policy.add_leaf(n.unit)
         if blocks:
@@ -261,7 +286,7 @@ class UnitIndex:
             del self.nodes[n.key]
         parent = node.parent
         if parent is not None:
-            parent.remove_child(node, self.policy)
+            parent.remove_child(node)
             self.prune(parent)
 
     def clear(self) -> None:
