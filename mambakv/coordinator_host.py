@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mambakv.core.arena import SuperblockArena
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
 from mambakv.core.errors import InvalidRequestError, LoadPendingError, as_seconds
@@ -59,6 +60,7 @@ class CoordinatorHost:
 
     host: HostTier | None
     units: UnitIndex | None
+    arena: SuperblockArena | None
     block_pool: BlockPool
     state_block_pool: BlockPool
     now: float
@@ -131,19 +133,22 @@ class CoordinatorHost:
         state_on_gpu = host.gpu_state(hashes[last])
         if not state_on_gpu and not host.host_state(hashes[last]):
             return None
-        held_states = [first_copy(gpu_smaps.get(gid), hashes[last]) for gid in host.state_gids] if state_on_gpu else []
+        held_states: list[KVCacheBlock] = []
+        for gid in host.state_gids if state_on_gpu else ():
+            b = first_copy(gpu_smaps.get(gid), hashes[last])
+            assert b is not None  # gpu_state: a copy in every Mamba group
+            held_states.append(b)
         num_slots = 0 if state_on_gpu else len(host.state_gids)
-        if not self._gpu_room(len(missing), num_slots, held, held_states):  # type: ignore[arg-type]
+        if not self._gpu_room(len(missing), num_slots, held, held_states):
             return None
         # pin the host copies first: a GPU eviction below may store units to the host (write
         # 'evict'), which must not evict what this load reads
         host_pages, host_slots = host.pin(hashes, sorted({i for i, _ in missing}), None if state_on_gpu else last)
         self.block_pool.touch(held)
         if held_states:
-            self.state_block_pool.touch(held_states)  # type: ignore[arg-type]
-        arena = getattr(self, "arena", None)
-        if arena is not None:
-            arena.make_room(len(missing), num_slots)
+            self.state_block_pool.touch(held_states)
+        if self.arena is not None:
+            self.arena.make_room(len(missing), num_slots)
         new_pages = self.block_pool.get_new_blocks(len(missing))
         new_slots = self.state_block_pool.get_new_blocks(num_slots)
         if self.units is not None:
@@ -163,7 +168,7 @@ class CoordinatorHost:
         plan = LoadPlan(request.request_id, tuple(transfers), sum(t.num_bytes for t in transfers), num_tokens)
         host.units.admit(hashes, request.num_prompt_tokens // host.page_tokens, len(hashes), self.now)
         self._loads[request.request_id] = _Load(
-            request, hashes, num_gpu_tokens, held, held_states, page_dst, state_dst,  # type: ignore[arg-type]
+            request, hashes, num_gpu_tokens, held, held_states, page_dst, state_dst,
             ([hb for _, _, hb in host_pages], [hb for _, hb in host_slots]), plan)
         host.loads.append(plan)
         s = host.stats
@@ -174,7 +179,7 @@ class CoordinatorHost:
 
     def _gpu_room(self, num_pages: int, num_slots: int, held: list[KVCacheBlock], held_states: list[KVCacheBlock]) -> bool:
         """Whether the GPU can supply the load's blocks with its hit blocks set apart."""
-        arena = getattr(self, "arena", None)
+        arena = self.arena
         if arena is None:  # one pool: free blocks not in the hit
             free_hits = sum(1 for b in held + held_states if not b.ref_cnt)
             return num_pages + num_slots <= self.block_pool.get_num_free_blocks() - free_hits
