@@ -172,13 +172,18 @@ class Scheduler(ResultProcessor, Admission):
         return tokens
 
     def _step(self) -> int:
+        # Hot loop: the timed allocate, _after_allocate's test and _schedule are inlined here
+        # (Admission._timed_allocate / _schedule do the same for admissions); the step's timed
+        # regions add up in `lib` / `calls` and reach the metrics once.
         coord, mt = self.coord, self.metrics
         if self.loading:
             self._complete_loads()
-        t = _now()
+        now = _now
+        t = now()
         coord.new_step()
-        mt.library_s += _now() - t
-        mt.library_calls += 1
+        lib = now() - t
+        calls = 1
+        now_s = self.now_s()  # constant within a step: the clock moves after scheduling
         budget = self.budget
         batch: list[ScheduledEntry] = []
         grew = preempted = False
@@ -190,7 +195,7 @@ class Scheduler(ResultProcessor, Admission):
             req = sreq.request
             c, N = req.num_computed_tokens, req.num_tokens
             drafts = 0
-            if c >= N - 1 and req.num_output_tokens > 0:
+            if c >= N - 1 and N > req.num_prompt_tokens:  # decoding (an output token exists)
                 n = 1
                 if c == N - 1:  # the last token is known: propose drafts after it
                     drafts = min(self.K, budget - 1, coord.max_model_len - N)
@@ -198,7 +203,10 @@ class Scheduler(ResultProcessor, Admission):
             else:
                 n = self.next_chunk(req, c, budget)
             while True:
-                new = self._timed_allocate(req, n, num_draft_tokens=drafts)
+                t = now()
+                new = coord.allocate(req, n, num_draft_tokens=drafts, now=now_s)
+                lib += now() - t
+                calls += 1
                 if new is not None:
                     break
                 victim = self.running[-1]
@@ -214,10 +222,17 @@ class Scheduler(ResultProcessor, Admission):
                     break
             if new is None:
                 continue
-            grew |= self._after_allocate(sreq, new)
-            batch.append(self._schedule(sreq, n, drafts))
+            if any(new.blocks):
+                grew |= self._after_allocate(sreq, new)
+            req.num_computed_tokens += n  # _schedule, inlined
+            samples = req.num_computed_tokens - drafts >= req.num_tokens
+            if samples:
+                sreq.awaiting_output = True
+            batch.append((sreq, sreq.generation, n, drafts, samples))
             budget -= n
-        if not preempted:
+        mt.library_s += lib
+        mt.library_calls += calls
+        if not preempted and self.waiting:
             budget, grew2 = self._admit(budget, batch)
             grew |= grew2
         if not batch:
@@ -231,11 +246,14 @@ class Scheduler(ResultProcessor, Admission):
             mt.peak_running = len(self.running)
         if grew:
             mt.observe_usage(coord)
-        self.in_flight.append(batch)
         if self.check_invariants:
             coord.check_invariants()
-        while len(self.in_flight) > self.lag:
-            self._process(self.in_flight.popleft())
+        if self.lag:
+            self.in_flight.append(batch)
+            while len(self.in_flight) > self.lag:
+                self._process(self.in_flight.popleft())
+        else:  # synchronous: this step's results come back now (nothing else in flight)
+            self._process(batch)
         return tokens
 
     def _may_schedule_ahead(self, sreq: SimRequest) -> bool:
@@ -302,7 +320,7 @@ class Scheduler(ResultProcessor, Admission):
         return mt
 
     def _run_until_idle(self) -> None:
-        while not self.idle():
+        while self.waiting or self.running or self.in_flight or self.loading:  # not self.idle()
             if not self.step():
                 if self.in_flight:
                     self._process(self.in_flight.popleft())
