@@ -167,7 +167,17 @@ class ResultProcessor:
         fixed = sreq.spec.output_token_ids
         if fixed is not None:
             return [int(x) for x in fixed[sreq.num_outputs : sreq.num_outputs + k]]
-        r = self.rng.randrange
-        if k == 1:
-            return [r(self.vocab)]
-        return [r(self.vocab) for _ in range(k)]
+        # rng.randrange(vocab), k times, without its two Python frames per id: Random's
+        # randrange(n) is _randbelow_with_getrandbits(n), rejection sampling on n.bit_length()
+        # random bits, which this repeats draw for draw (the same ids from the same seed).
+        v = self.vocab
+        if v < 1:
+            return [self.rng.randrange(v)]  # raises ValueError (empty range)
+        bits, draw = v.bit_length(), self.rng.getrandbits
+        out = []
+        for _ in range(k):
+            r = draw(bits)
+            while r >= v:
+                r = draw(bits)
+            out.append(r)
+        return out
