@@ -134,7 +134,9 @@ class ResultProcessor:
             ids = None
             if samples:
                 sreq.awaiting_output = False
-                k = min(accepted + 1, sreq.spec.output_len - sreq.num_outputs)
+                k = sreq.spec.output_len - sreq.num_outputs
+                if k > accepted + 1:
+                    k = accepted + 1
                 ids = self._output_ids(sreq, k)
                 sreq.num_outputs += k
                 mt.output_tokens += k

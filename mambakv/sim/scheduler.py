@@ -183,7 +183,8 @@ class Scheduler(ResultProcessor, Admission):
         coord.new_step()
         lib = now() - t
         calls = 1
-        now_s = self.now_s()  # constant within a step: the clock moves after scheduling
+        # self.now_s(), constant within a step: the clock moves after scheduling
+        now_s = mt.clock_ms / 1000.0 if self._arrival_s is None else self._arrival_s
         budget = self.budget
         batch: list[ScheduledEntry] = []
         grew = preempted = False
@@ -225,7 +226,7 @@ class Scheduler(ResultProcessor, Admission):
             if any(new.blocks):
                 grew |= self._after_allocate(sreq, new)
             req.num_computed_tokens += n  # _schedule, inlined
-            samples = req.num_computed_tokens - drafts >= req.num_tokens
+            samples = req.num_computed_tokens - drafts >= N  # allocate adds no token
             if samples:
                 sreq.awaiting_output = True
             batch.append((sreq, sreq.generation, n, drafts, samples))
@@ -320,8 +321,12 @@ class Scheduler(ResultProcessor, Admission):
         return mt
 
     def _run_until_idle(self) -> None:
+        mt, now = self.metrics, _now
         while self.waiting or self.running or self.in_flight or self.loading:  # not self.idle()
-            if not self.step():
+            t0 = now()  # self.step(), inlined: the same whole-step timer
+            tokens = self._step()
+            mt.step_s += now() - t0
+            if not tokens:
                 if self.in_flight:
                     self._process(self.in_flight.popleft())
                 elif not self._wait_for_load():
