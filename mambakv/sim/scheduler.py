@@ -34,10 +34,8 @@ from typing import TYPE_CHECKING
 
 from mambakv.coordinator import KVCacheCoordinator
 from mambakv.core.errors import MambaKVError
-from mambakv.core.request import Request
 from mambakv.core.spec import MambaSpec
 from mambakv.sim.admission import Admission, pool_capacity
-from mambakv.sim.chunking import prefill_chunk
 from mambakv.sim.metrics import SimMetrics
 from mambakv.sim.results import BudgetTooSmallError, ResultProcessor, ScheduledEntry, SimRequest
 from mambakv.sim.workloads import RequestSpec
@@ -127,40 +125,6 @@ class Scheduler(ResultProcessor, Admission):
         """The trace clock in seconds, passed to the coordinator as ``now``: the step clock, or
         in a one-at-a-time run the running request's arrival."""
         return self.metrics.clock_ms / 1000.0 if self._arrival_s is None else self._arrival_s
-
-    # ------------------------------------------------------------------ token choice
-    def next_chunk(self, request: Request, computed: int, budget: int) -> int:
-        """Tokens to schedule for `request`'s next prefill chunk from `computed`:
-        ``coord.next_chunk_end`` (the checkpoint placement, :mod:`mambakv.placement`), timed as
-        library time."""
-        t = _now()
-        end = self.coord.next_chunk_end(request, budget, num_computed_tokens=computed)
-        self.metrics.library_s += _now() - t
-        self.metrics.library_calls += 1
-        return end - computed
-
-    def prefill_chunk(self, computed: int, num_tokens: int, budget: int, junction: int = 0) -> int:
-        """vLLM 0.33's chunk rule for this scheduler's alignment and stop rule, given the
-        junction (:func:`mambakv.sim.chunking.prefill_chunk`): what ``next_chunk`` gives under
-        the unified layout's default placement (tests/test_placement.py checks it)."""
-        return prefill_chunk(computed, num_tokens, budget, align=self.align,
-                             stop_before_last_token=self.stop_before_last_token, junction=junction)
-
-    # ------------------------------------------------------------------ one step
-    def preempt(self, sreq: SimRequest) -> None:
-        """Free, re-queue at the front, recompute from scratch (in-flight results dropped)."""
-        t = _now()
-        self.coord.free(sreq.request.request_id, now=self.now_s())
-        self.metrics.library_s += _now() - t
-        self.metrics.library_calls += 1
-        self.running.remove(sreq)
-        sreq.is_running = False
-        sreq.generation += 1
-        sreq.request.num_computed_tokens = 0
-        sreq.processed = 0
-        sreq.awaiting_output = False
-        self.waiting.appendleft(sreq)
-        self.metrics.preemptions += 1
 
     def step(self) -> int:
         """Schedule one step (and process the results that come back in it); returns the
