@@ -162,7 +162,7 @@ class Scheduler(ResultProcessor, Admission):
             drafts = 0
             if c >= N - 1 and N > req.num_prompt_tokens:  # decoding (an output token exists)
                 n = 1
-                if c == N - 1:  # the last token is known: propose drafts after it
+                if c == N - 1 and self.K:  # the last token is known: propose drafts after it
                     drafts = min(self.K, budget - 1, coord.max_model_len - N)
                     n += drafts
             else:
