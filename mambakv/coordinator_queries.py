@@ -179,7 +179,8 @@ class CoordinatorQueries(CoordinatorPools):
         since the last call writes (running state, scratch, ``latest``'s spare) and the
         position it holds after the step; a spare gets the state at `position` only if the
         step computes that position (drafts included). See MambaManager.take_checkpoint_writes."""
-        return {m.kv_cache_group_id: w for m in self.mamba_managers if (w := m.take_checkpoint_writes())}
+        # A group with nothing listed is skipped without a call: most steps list nothing.
+        return {m.kv_cache_group_id: m.take_checkpoint_writes() for m in self.mamba_managers if m._writes}
 
     def get_state_plan(self, request_id: str) -> dict[int, StatePlan]:
         """Per Mamba group holding the request: its running / spare / scratch block ids and
@@ -218,8 +219,9 @@ class CoordinatorQueries(CoordinatorPools):
             self._new_pending = False
             for blocks in self._new_blocks:
                 blocks.clear()
-        for m in self.mamba_managers:
-            m.drop_checkpoint_writes()
+        for m in self.mamba_managers:  # m.drop_checkpoint_writes(), inlined
+            if m._writes:
+                m._writes = []
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Block ids of the request's table in every group (null entries are 0)."""

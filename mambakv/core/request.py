@@ -130,6 +130,12 @@ class Request:
         Raises:
             InvalidTokenCountError: an id out of range or not an int (nothing is appended).
         """
+        if type(token_ids) is list and len(token_ids) == 1:  # the decode step's one id: in place
+            t, n = token_ids[0], self._num_tokens
+            if type(t) is int and 0 <= t <= TOKEN_MAX and n < self._tokens.size:
+                self._tokens[n] = t
+                self._num_tokens = n + 1
+                return
         if isinstance(token_ids, (int, np.integer)):
             token_ids = [token_ids]
         if isinstance(token_ids, list) and len(token_ids) <= 16:
@@ -144,7 +150,9 @@ class Request:
             ids = as_token_array(token_ids)
             new, num_new = ids, ids.size
         need = self._num_tokens + num_new
-        if need > self._tokens.size or not self._tokens.flags.owndata:
+        # Room past _num_tokens exists only in a buffer grown here (the prompt's array is exactly
+        # full, and may be the caller's): so `need` within the size never writes a caller's array.
+        if need > self._tokens.size:
             grown = np.empty(max(need, 2 * self._tokens.size), dtype=TOKEN_DTYPE)
             grown[: self._num_tokens] = self._tokens[: self._num_tokens]
             self._tokens = grown

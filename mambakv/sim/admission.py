@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from mambakv.core.request import Request
 from mambakv.groups import MambaManager
 from mambakv.plans import KVCacheBlocks
+from mambakv.sim.chunking import prefill_chunk
 from mambakv.sim.results import BudgetTooSmallError, ScheduledEntry, SimRequest
 
 if TYPE_CHECKING:
@@ -48,8 +49,8 @@ def pool_capacity(coord: KVCacheCoordinator) -> str:
 
 
 class Admission:
-    """Admission and the timed ``allocate``; needs the attributes declared below and
-    ``next_chunk`` (set and defined by :class:`~mambakv.sim.scheduler.Scheduler`)."""
+    """Admission, the chunk choice (``next_chunk``), preemption and the timed ``allocate``;
+    needs the attributes declared below (set by :class:`~mambakv.sim.scheduler.Scheduler`)."""
 
     coord: KVCacheCoordinator
     metrics: SimMetrics
@@ -58,11 +59,46 @@ class Admission:
     max_num_seqs: int
     reserve_full_prompt: bool
     align: int
-    next_chunk: Callable[[Request, int, int], int]  # Scheduler.next_chunk
+    stop_before_last_token: bool
     now_s: Callable[[], float]  # Scheduler.now_s
     h2d_gbps: float
     loading: list[tuple[float, SimRequest]]
 
+    # ------------------------------------------------------------------ token choice
+    def next_chunk(self, request: Request, computed: int, budget: int) -> int:
+        """Tokens to schedule for `request`'s next prefill chunk from `computed`:
+        ``coord.next_chunk_end`` (the checkpoint placement, :mod:`mambakv.placement`), timed as
+        library time."""
+        t = _now()
+        end = self.coord.next_chunk_end(request, budget, num_computed_tokens=computed)
+        self.metrics.library_s += _now() - t
+        self.metrics.library_calls += 1
+        return end - computed
+
+    def prefill_chunk(self, computed: int, num_tokens: int, budget: int, junction: int = 0) -> int:
+        """vLLM 0.33's chunk rule for this scheduler's alignment and stop rule, given the
+        junction (:func:`mambakv.sim.chunking.prefill_chunk`): what ``next_chunk`` gives under
+        the unified layout's default placement (tests/test_placement.py checks it)."""
+        return prefill_chunk(computed, num_tokens, budget, align=self.align,
+                             stop_before_last_token=self.stop_before_last_token, junction=junction)
+
+    # ------------------------------------------------------------------ preemption
+    def preempt(self, sreq: SimRequest) -> None:
+        """Free, re-queue at the front, recompute from scratch (in-flight results dropped)."""
+        t = _now()
+        self.coord.free(sreq.request.request_id, now=self.now_s())
+        self.metrics.library_s += _now() - t
+        self.metrics.library_calls += 1
+        self.running.remove(sreq)
+        sreq.is_running = False
+        sreq.generation += 1
+        sreq.request.num_computed_tokens = 0
+        sreq.processed = 0
+        sreq.awaiting_output = False
+        self.waiting.appendleft(sreq)
+        self.metrics.preemptions += 1
+
+    # ------------------------------------------------------------------ allocation
     def _timed_allocate(self, req: Request, n: int, *, num_draft_tokens: int, num_new_computed_tokens: int = 0,
                         new_computed_blocks: KVCacheBlocks | None = None) -> KVCacheBlocks | None:
         t = _now()

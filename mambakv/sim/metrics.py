@@ -100,8 +100,10 @@ class SimMetrics:
     ``state_missing_tokens``: at each first admission, the attention-only hit
     (``get_shared_prefix_length``) minus the hit, summed (0 unless Mamba groups align).
     Time (``time.perf_counter``): ``library_s`` inside coordinator calls and ``Request``
-    appends, each call timed (``library_calls`` of them; ``library_net_s`` subtracts the
-    timers' own cost, measured once per run as ``timer_overhead_s`` per call); ``step_s`` the
+    appends, each call timed, or a run of calls with no scheduler work between them timed as
+    one region (a result's append, ``retire`` and ``free``; the plan drains): ``library_calls``
+    counts the timed regions, and ``library_net_s`` subtracts the timers' own cost, measured
+    once per run as ``timer_overhead_s`` per region; ``step_s`` the
     whole of every scheduler step, timed once per step (the same scope as an engine's
     per-step loop: scheduling, library calls, result processing), minus ``hash_s``, the
     prompts' block hashing at admission (done before the lookup, apart from both figures);

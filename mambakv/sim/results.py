@@ -79,17 +79,20 @@ class ResultProcessor:
     check_invariants: bool
 
     def _run_plans(self) -> None:
+        coord, mt = self.coord, self.metrics
         t = _now()
-        zero = self.coord.take_zero_plan()
-        plan = self.coord.take_copy_plan()
-        self.coord.take_checkpoint_writes()  # lazy Mamba groups: the kernels' boundary writes (no device here)
-        host = self.coord.host
+        zero = coord.take_zero_plan()
+        plan = coord.take_copy_plan()
+        coord.take_checkpoint_writes()  # lazy Mamba groups: the kernels' boundary writes (no device here)
+        host = coord.host
         if host is not None and (host.stores or host.loads):
-            self.coord.take_transfer_plan()  # a host tier's stores and loads (block ids only: nothing to copy)
-        self.metrics.library_s += _now() - t
-        self.metrics.library_calls += 1
-        self.metrics.copies += sum(len(p) for p in plan.values())
-        self._run_copies(plan, zero)
+            coord.take_transfer_plan()  # a host tier's stores and loads (block ids only: nothing to copy)
+        mt.library_s += _now() - t
+        mt.library_calls += 1
+        if plan:
+            mt.copies += sum(len(p) for p in plan.values())
+        if self.state_pools:
+            self._run_copies(plan, zero)
 
     def _run_copies(self, plan: Mapping[int, Sequence[tuple[int, int]]],
                     zero: Mapping[int, Sequence[int]] | None = None) -> None:
@@ -108,6 +111,7 @@ class ResultProcessor:
     # ------------------------------------------------------------------ results
     def _process(self, batch: Sequence[ScheduledEntry]) -> None:
         coord, mt = self.coord, self.metrics
+        now = _now
         for sreq, gen, n, drafts, samples in batch:
             if gen != sreq.generation or sreq.finished:
                 continue  # preempted or finished since: results dropped
@@ -117,33 +121,39 @@ class ResultProcessor:
             if drafts:
                 while accepted < drafts and self.rng.random() < self.acceptance_rate:
                     accepted += 1
-                t = _now()
+                t = now()
                 pairs = coord.accept_drafts(rid, accepted)
-                mt.library_s += _now() - t
+                mt.library_s += now() - t
                 mt.library_calls += 1
-                mt.copies += sum(len(p) for p in pairs.values())
-                self._run_copies(pairs)
+                if pairs:
+                    mt.copies += sum(len(p) for p in pairs.values())
+                    self._run_copies(pairs)
                 req.num_computed_tokens -= drafts - accepted
             sreq.processed += n - drafts + accepted
+            num_tokens = req.num_tokens
+            ids = None
             if samples:
                 sreq.awaiting_output = False
-                k = min(accepted + 1, sreq.spec.output_len - sreq.num_outputs)
+                k = sreq.spec.output_len - sreq.num_outputs
+                if k > accepted + 1:
+                    k = accepted + 1
                 ids = self._output_ids(sreq, k)
-                t = _now()
-                req.append_output_token_ids(ids)  # Request is library code: its appends count
-                mt.library_s += _now() - t
-                mt.library_calls += 1
                 sreq.num_outputs += k
                 mt.output_tokens += k
-            if sreq.processed > req.num_tokens:  # accepted drafts beyond the output cap are dropped
-                sreq.processed = req.num_computed_tokens = req.num_tokens
+                num_tokens += len(ids)  # the request's tokens once `ids` are appended below
+            if sreq.processed > num_tokens:  # accepted drafts beyond the output cap are dropped
+                sreq.processed = req.num_computed_tokens = num_tokens
             # Finished: all outputs, or the length cap (an engine stops at max_model_len too).
-            done = sreq.num_outputs >= sreq.spec.output_len or req.num_tokens >= coord.max_model_len
-            t = _now()
+            done = sreq.num_outputs >= sreq.spec.output_len or num_tokens >= coord.max_model_len
+            now_s = self.now_s() if done else None
+            # One timed region: the appends (Request is library code: they count), retire, free.
+            t = now()
+            if ids is not None:
+                req.append_output_token_ids(ids)
             coord.retire(rid, sreq.processed)
             if done:
-                coord.free(rid, now=self.now_s())
-            mt.library_s += _now() - t
+                coord.free(rid, now=now_s)
+            mt.library_s += now() - t
             mt.library_calls += 1
             if done:
                 sreq.finished = True
@@ -159,5 +169,17 @@ class ResultProcessor:
         fixed = sreq.spec.output_token_ids
         if fixed is not None:
             return [int(x) for x in fixed[sreq.num_outputs : sreq.num_outputs + k]]
-        r = self.rng.randrange
-        return [r(self.vocab) for _ in range(k)]
+        # rng.randrange(vocab), k times, without its two Python frames per id: Random's
+        # randrange(n) is _randbelow_with_getrandbits(n), rejection sampling on n.bit_length()
+        # random bits, which this repeats draw for draw (the same ids from the same seed).
+        v = self.vocab
+        if v < 1:
+            return [self.rng.randrange(v)]  # raises ValueError (empty range)
+        bits, draw = v.bit_length(), self.rng.getrandbits
+        out = []
+        for _ in range(k):
+            r = draw(bits)
+            while r >= v:
+                r = draw(bits)
+            out.append(r)
+        return out

@@ -34,10 +34,8 @@ from typing import TYPE_CHECKING
 
 from mambakv.coordinator import KVCacheCoordinator
 from mambakv.core.errors import MambaKVError
-from mambakv.core.request import Request
 from mambakv.core.spec import MambaSpec
 from mambakv.sim.admission import Admission, pool_capacity
-from mambakv.sim.chunking import prefill_chunk
 from mambakv.sim.metrics import SimMetrics
 from mambakv.sim.results import BudgetTooSmallError, ResultProcessor, ScheduledEntry, SimRequest
 from mambakv.sim.workloads import RequestSpec
@@ -128,40 +126,6 @@ class Scheduler(ResultProcessor, Admission):
         in a one-at-a-time run the running request's arrival."""
         return self.metrics.clock_ms / 1000.0 if self._arrival_s is None else self._arrival_s
 
-    # ------------------------------------------------------------------ token choice
-    def next_chunk(self, request: Request, computed: int, budget: int) -> int:
-        """Tokens to schedule for `request`'s next prefill chunk from `computed`:
-        ``coord.next_chunk_end`` (the checkpoint placement, :mod:`mambakv.placement`), timed as
-        library time."""
-        t = _now()
-        end = self.coord.next_chunk_end(request, budget, num_computed_tokens=computed)
-        self.metrics.library_s += _now() - t
-        self.metrics.library_calls += 1
-        return end - computed
-
-    def prefill_chunk(self, computed: int, num_tokens: int, budget: int, junction: int = 0) -> int:
-        """vLLM 0.33's chunk rule for this scheduler's alignment and stop rule, given the
-        junction (:func:`mambakv.sim.chunking.prefill_chunk`): what ``next_chunk`` gives under
-        the unified layout's default placement (tests/test_placement.py checks it)."""
-        return prefill_chunk(computed, num_tokens, budget, align=self.align,
-                             stop_before_last_token=self.stop_before_last_token, junction=junction)
-
-    # ------------------------------------------------------------------ one step
-    def preempt(self, sreq: SimRequest) -> None:
-        """Free, re-queue at the front, recompute from scratch (in-flight results dropped)."""
-        t = _now()
-        self.coord.free(sreq.request.request_id, now=self.now_s())
-        self.metrics.library_s += _now() - t
-        self.metrics.library_calls += 1
-        self.running.remove(sreq)
-        sreq.is_running = False
-        sreq.generation += 1
-        sreq.request.num_computed_tokens = 0
-        sreq.processed = 0
-        sreq.awaiting_output = False
-        self.waiting.appendleft(sreq)
-        self.metrics.preemptions += 1
-
     def step(self) -> int:
         """Schedule one step (and process the results that come back in it); returns the
         tokens scheduled (0: nothing could run). Timed once as a whole: ``SimMetrics.step_s``
@@ -172,13 +136,19 @@ class Scheduler(ResultProcessor, Admission):
         return tokens
 
     def _step(self) -> int:
+        # Hot loop: the timed allocate, _after_allocate's test and _schedule are inlined here
+        # (Admission._timed_allocate / _schedule do the same for admissions); the step's timed
+        # regions add up in `lib` / `calls` and reach the metrics once.
         coord, mt = self.coord, self.metrics
         if self.loading:
             self._complete_loads()
-        t = _now()
+        now = _now
+        t = now()
         coord.new_step()
-        mt.library_s += _now() - t
-        mt.library_calls += 1
+        lib = now() - t
+        calls = 1
+        # self.now_s(), constant within a step: the clock moves after scheduling
+        now_s = mt.clock_ms / 1000.0 if self._arrival_s is None else self._arrival_s
         budget = self.budget
         batch: list[ScheduledEntry] = []
         grew = preempted = False
@@ -190,15 +160,18 @@ class Scheduler(ResultProcessor, Admission):
             req = sreq.request
             c, N = req.num_computed_tokens, req.num_tokens
             drafts = 0
-            if c >= N - 1 and req.num_output_tokens > 0:
+            if c >= N - 1 and N > req.num_prompt_tokens:  # decoding (an output token exists)
                 n = 1
-                if c == N - 1:  # the last token is known: propose drafts after it
+                if c == N - 1 and self.K:  # the last token is known: propose drafts after it
                     drafts = min(self.K, budget - 1, coord.max_model_len - N)
                     n += drafts
             else:
                 n = self.next_chunk(req, c, budget)
             while True:
-                new = self._timed_allocate(req, n, num_draft_tokens=drafts)
+                t = now()
+                new = coord.allocate(req, n, num_draft_tokens=drafts, now=now_s)
+                lib += now() - t
+                calls += 1
                 if new is not None:
                     break
                 victim = self.running[-1]
@@ -214,10 +187,17 @@ class Scheduler(ResultProcessor, Admission):
                     break
             if new is None:
                 continue
-            grew |= self._after_allocate(sreq, new)
-            batch.append(self._schedule(sreq, n, drafts))
+            if any(new.blocks):
+                grew |= self._after_allocate(sreq, new)
+            req.num_computed_tokens += n  # _schedule, inlined
+            samples = req.num_computed_tokens - drafts >= N  # allocate adds no token
+            if samples:
+                sreq.awaiting_output = True
+            batch.append((sreq, sreq.generation, n, drafts, samples))
             budget -= n
-        if not preempted:
+        mt.library_s += lib
+        mt.library_calls += calls
+        if not preempted and self.waiting:
             budget, grew2 = self._admit(budget, batch)
             grew |= grew2
         if not batch:
@@ -231,11 +211,14 @@ class Scheduler(ResultProcessor, Admission):
             mt.peak_running = len(self.running)
         if grew:
             mt.observe_usage(coord)
-        self.in_flight.append(batch)
         if self.check_invariants:
             coord.check_invariants()
-        while len(self.in_flight) > self.lag:
-            self._process(self.in_flight.popleft())
+        if self.lag:
+            self.in_flight.append(batch)
+            while len(self.in_flight) > self.lag:
+                self._process(self.in_flight.popleft())
+        else:  # synchronous: this step's results come back now (nothing else in flight)
+            self._process(batch)
         return tokens
 
     def _may_schedule_ahead(self, sreq: SimRequest) -> bool:
@@ -302,8 +285,12 @@ class Scheduler(ResultProcessor, Admission):
         return mt
 
     def _run_until_idle(self) -> None:
-        while not self.idle():
-            if not self.step():
+        mt, now = self.metrics, _now
+        while self.waiting or self.running or self.in_flight or self.loading:  # not self.idle()
+            t0 = now()  # self.step(), inlined: the same whole-step timer
+            tokens = self._step()
+            mt.step_s += now() - t0
+            if not tokens:
                 if self.in_flight:
                     self._process(self.in_flight.popleft())
                 elif not self._wait_for_load():
