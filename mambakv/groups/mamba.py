@@ -23,7 +23,8 @@ The concerns live in one module each:
 ``mamba_queries.py``   snapshot, thresholds, state block ids, the hit rule, invariants
 ``mamba_release.py``   ``free`` / ``check_free`` and slot retirement over every column
 this module            the manager: counting, allocation dispatch, publication,
-                       the next retire event, the fused ``schedule_step``
+                       the next retire event
+``mamba_fused.py``     the fused ``schedule_step`` of a manager used alone
 =====================  ===========================================================
 """
 
@@ -42,7 +43,7 @@ from mambakv.groups.base import NEVER, BlockTable, group_block_hashes, num_evict
 from mambakv.groups.drafts import MambaTable
 from mambakv.groups.kinds import GroupKind
 from mambakv.groups.mamba_columns import ColumnsMixin
-from mambakv.groups.mamba_queries import QueriesMixin
+from mambakv.groups.mamba_fused import FusedStepMixin
 from mambakv.groups.mamba_release import MambaReleaseMixin
 from mambakv.groups.mamba_steps import AlignStep, running_slot
 
@@ -52,7 +53,7 @@ __all__ = ["AlignStep", "MambaManager", "MambaRequestBlocks", "MambaTable", "run
 MambaRequestBlocks = MambaTable
 
 
-class MambaManager(MambaReleaseMixin, ColumnsMixin, QueriesMixin):
+class MambaManager(MambaReleaseMixin, ColumnsMixin, FusedStepMixin):
     """State blocks of one Mamba group (one block = one whole state of every layer).
 
     Mode NONE: a request holds ``1 + nspec`` blocks (running state + scratch) whatever its
@@ -246,35 +247,3 @@ class MambaManager(MambaReleaseMixin, ColumnsMixin, QueriesMixin):
         t: MambaTable = table  # type: ignore[assignment]
         if t.decode_steps:
             self._settle_decode(t, num_processed_tokens)
-
-    def schedule_step(self, request_id: str, num_tokens: int, num_processed_tokens: int, *,
-                      num_draft_tokens: int = 0) -> list[KVCacheBlock] | None:
-        """One request-step of a manager used alone, fused: retire to `num_processed_tokens`,
-        count, allocate for `num_tokens` main tokens. Returns the new blocks, or None (nothing
-        changed but the retirement) when the pool is short. Equivalent to
-        ``remove_skipped_blocks`` + ``get_num_blocks_to_allocate`` + ``allocate_new_blocks``.
-
-        Raises: as those three calls."""
-        t = self._tables.get(request_id)
-        if (t is not None and t.running_slot >= 0 and not num_draft_tokens and self._align
-                and len(self._column_managers) == 1 and not (t.verify_steps or t.verified)
-                and num_tokens > 0 and num_processed_tokens > 0):
-            # The prefill chunk of a running request, retire + count + GROW in one pass (the
-            # same steps as the three calls; any other case takes them one by one below).
-            bs = self.block_size
-            num_slots = (num_processed_tokens - 1) // bs  # only the last state matters
-            running = -(num_tokens // -bs) - 1
-            if num_slots <= t.running_slot and running > t.running_slot:
-                if num_slots > t.retired_below:
-                    self.retire_slots(t, num_slots)
-                if not self.block_pool.free_block_queue.num_free_blocks:
-                    return None
-                new = self._grow(t, running, num_tokens, 0)[0]
-                if self._list_writes:
-                    self._list_step_writes(request_id, t, num_tokens, 0)
-                return new
-        self.remove_skipped_blocks(request_id, num_processed_tokens)
-        need = self.get_num_blocks_to_allocate(request_id, num_tokens) * len(self._column_managers)
-        if need > self.block_pool.free_block_queue.num_free_blocks:
-            return None
-        return self.allocate_columns(request_id, num_tokens, 0, num_draft_tokens)[0]
