@@ -87,6 +87,8 @@ class MambaManager(MambaReleaseMixin, ColumnsMixin, FusedStepMixin):
         self._zero_plan: list[int] = []
         #: the managers of every column this one drives (itself first, then its followers)
         self._column_managers: tuple[MambaManager, ...] = (self,)
+        #: align mode over one column: ``schedule_step`` may take its fused path
+        self._fused = self._align
         self.decode_checkpoints = kv_cache_spec.decode_checkpoints
         self._decode_in_place = self._align and self.decode_checkpoints is not DecodeCheckpoints.EVERY
         self._spares = self._decode_in_place and self.decode_checkpoints is DecodeCheckpoints.LATEST \

@@ -31,6 +31,7 @@ class ColumnsMixin(DraftsMixin):
 
     num_speculative_blocks: int
     _column_managers: tuple[MambaManager, ...]
+    _fused: bool
 
     def share_policy(self, followers: Sequence[MambaManager]) -> None:
         """Drive the tables of `followers` (groups with an identical spec) with this manager's
@@ -47,7 +48,9 @@ class ColumnsMixin(DraftsMixin):
             raise InvalidSpecError("share_policy before any request holds blocks")
         for f in followers:
             f.is_follower = True
+            f._fused = False  # a follower is driven through its leader
         self._column_managers = (self, *followers)  # type: ignore[arg-type]  # self is a MambaManager
+        self._fused = False  # the fused step drives one column
 
     @property
     def column_ids(self) -> tuple[int, ...]:

@@ -27,6 +27,7 @@ class FusedStepMixin(QueriesMixin):
 
     _writes: list[tuple[str, int, int]]
     _list_writes: bool
+    _fused: bool
 
     def allocate_columns(self, request_id: str, num_tokens: int, num_lookahead_tokens: int,
                          num_draft_tokens: int, *, decode: bool = False,
@@ -42,7 +43,7 @@ class FusedStepMixin(QueriesMixin):
 
         Raises: as those three calls."""
         t = self._tables.get(request_id)
-        if (t is not None and not num_draft_tokens and self._align and len(self._column_managers) == 1
+        if (t is not None and not num_draft_tokens and self._fused
                 and num_tokens > 0 and num_processed_tokens > 0 and not (t.verify_steps or t.verified)):
             # The prefill chunk of a running request: retire + count + GROW in one pass, the
             # same steps as the three calls (retire_slots, _grow, _record_step and
@@ -55,30 +56,36 @@ class FusedStepMixin(QueriesMixin):
                 blocks = t.blocks
                 null = self.null_block
                 low = t.retired_below
-                stop = min(num_slots, len(blocks))
+                stop = num_slots if num_slots < len(blocks) else len(blocks)
                 freed: list[KVCacheBlock] = []
                 if stop > low:
                     if type(self).retire_slots is not _RETIRE_SLOTS:  # a planted rule (teeth tests)
                         self.retire_slots(t, num_slots)
                         stop = low
-                    elif stop - low == 1:
-                        if blocks[low] is not null:
-                            freed.append(blocks[low])
                     else:
-                        for b in blocks[stop - 1 : low - 1 if low else None : -1]:  # deepest first
-                            if b is not null:
-                                freed.append(b)
+                        i = stop
+                        while i > low:  # deepest first, null gaps skipped
+                            i -= 1
+                            if blocks[i] is not null:
+                                freed.append(blocks[i])
                 new = free_then_get(self.block_pool, freed, 1)  # raises (nothing changed) as free_blocks
                 if stop > low:
-                    blocks[low:stop] = [null] * (stop - low)
-                    t.retired_below = stop
+                    t.retired_below = i = stop
+                    while i > low:
+                        i -= 1
+                        blocks[i] = null
                 if new is None:
                     return None
                 if len(blocks) < running:  # _pad_to_running_slot: a jump past the scratch blocks (rare)
                     blocks.extend([null] * (running - len(blocks)))
-                for slot in range(source + 1, min(running, source + 1 + self.num_speculative_blocks)):
-                    blocks.append(blocks[slot])  # _relocate_scratch_blocks
+                slot = source + 1  # _relocate_scratch_blocks: the scratch now below the running slot
+                end = slot + self.num_speculative_blocks
+                if running < end:
+                    end = running
+                while slot < end:
+                    blocks.append(blocks[slot])
                     blocks[slot] = null
+                    slot += 1
                 blocks += new
                 block_id = blocks[running].block_id
                 self._copy_plan.append((blocks[source].block_id, block_id))
