@@ -11,6 +11,7 @@ from mambakv import (
     BlockPool,
     DoubleFreeError,
     InvalidDraftCountError,
+    InvalidRequestError,
     MambaManager,
     Request,
     SlidingWindowManager,
@@ -225,6 +226,20 @@ def test_schedule_step_equals_its_three_calls(in_flight):
         assert [b.block_id for b in fused.req_to_blocks["r"]] == [b.block_id for b in calls.req_to_blocks["r"]]
         assert fused.take_copy_plan() == calls.take_copy_plan()
         fused.check_invariants()
+
+
+def test_schedule_step_of_a_follower_raises_before_any_change():
+    # A follower's table is a read-only view of its leader's: its fused step once ran on it,
+    # took a block for the leader's column and crashed with AttributeError. It is driven
+    # through its leader: InvalidRequestError, nothing changed.
+    pool = BlockPool(40)
+    leader, follower = (MambaManager(mamba_spec(4, nspec=1), pool, kv_cache_group_id=g) for g in (0, 1))
+    leader.share_policy([follower])
+    leader.schedule_step("r", 4, 0)
+    before = pool.get_num_free_blocks(), [[b.block_id for b in c] for c in leader.get_table("r").columns]
+    with pytest.raises(InvalidRequestError):
+        follower.schedule_step("r", 8, 4)
+    assert (pool.get_num_free_blocks(), [[b.block_id for b in c] for c in leader.get_table("r").columns]) == before
 
 
 def test_a_step_planned_before_a_verify_tags_no_boundary():
