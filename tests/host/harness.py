@@ -35,6 +35,13 @@ class HostHarness:
         spec = HostTierSpec(host_superblocks * SB, write=write, eviction=host_eviction)
         self.coord = KVCacheCoordinator(config(n), max_model_len=256, eviction=eviction, host_tier=spec)
 
+    @classmethod
+    def over(cls, coord: KVCacheCoordinator) -> HostHarness:
+        """The harness's calls over a coordinator built elsewhere (e.g. a unified layout)."""
+        h = cls.__new__(cls)
+        h.coord = coord
+        return h
+
     # ------------------------------------------------------------------ the engine's calls
     def prefill(self, rid: str, toks: list[int], now: float, *, request: Request | None = None,
                 free: bool = False) -> tuple[Request, int]:
@@ -65,8 +72,8 @@ class HostHarness:
             coord.check_invariants()
         return req, hit
 
-    def run(self, rid: str, toks: list[int], now: float) -> int:
-        return self.prefill(rid, toks, now, free=True)[1]
+    def run(self, rid: str, toks: list[int], now: float, request: Request | None = None) -> int:
+        return self.prefill(rid, toks, now, request=request, free=True)[1]
 
     def abcd(self) -> None:
         assert self.run("A", A, 0.0) == 0

@@ -32,22 +32,8 @@ def unified_config(num_blocks: int = 16, mamba: MambaSpec = U_MAMBA) -> KVCacheC
 
 
 def run(coord: KVCacheCoordinator, rid: str, toks: list[int], now: float, request: Request | None = None) -> int:
-    req = request or Request(rid, toks, max_tokens=1)
-    hits, hit = coord.get_computed_blocks(req)
-    c, first = hit, True
-    while c < len(toks):
-        end = coord.next_chunk_end(req, 64, num_computed_tokens=c)
-        kw = dict(num_new_computed_tokens=hit, new_computed_blocks=hits) if first else {}
-        assert coord.allocate(req, end - c, num_draft_tokens=0, now=now, **kw) is not None
-        first = False
-        req.num_computed_tokens = end
-        coord.retire(rid, end)
-        coord.take_step_plan()
-        coord.check_invariants()
-        c = end
-    coord.free(rid, now=now)
-    coord.check_invariants()
-    return hit
+    """Prefill `toks` and free (tests/host/harness.py), ``check_invariants()`` after every call."""
+    return HostHarness.over(coord).run(rid, toks, now, request=request)
 
 
 def test_unified_layout_bytes_per_block_is_256():

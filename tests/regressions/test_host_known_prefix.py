@@ -10,41 +10,23 @@ unit (its invariant failed), and no load could ever use it.
 
 from __future__ import annotations
 
-from mambakv import HostTierSpec, KVCacheCoordinator, Request
-from tests.eviction.test_units import A, B, C, D, config
-
-
-def _run(coord: KVCacheCoordinator, rid: str, toks: list[int], now: float) -> None:
-    req = Request(rid, toks, max_tokens=1)
-    hits, hit = coord.get_computed_blocks(req)
-    c, first = hit, True
-    while c < len(toks):
-        end = coord.next_chunk_end(req, 64, num_computed_tokens=c)
-        kw = dict(num_new_computed_tokens=hit, new_computed_blocks=hits) if first else {}
-        assert coord.allocate(req, end - c, num_draft_tokens=0, now=now, **kw) is not None
-        first = False
-        req.num_computed_tokens = end
-        coord.retire(rid, end)
-        coord.take_step_plan()
-        coord.check_invariants()
-        c = end
-    coord.free(rid, now=now)
-    coord.check_invariants()
+from mambakv import Request
+from tests.host.harness import A, B, C, D, HostHarness
 
 
 def test_parent_state_stored_after_its_child_becomes_a_host_unit() -> None:
-    coord = KVCacheCoordinator(config(8), max_model_len=256, eviction="lru",
-                               host_tier=HostTierSpec(128 * 2 * 40, write="evict"))
+    h = HostHarness(n=8, host_superblocks=40, write="evict")
+    coord = h.coord
     host = coord.host
     assert host is not None
-    _run(coord, "A", A, 0.0)
-    _run(coord, "B", B, 1.0)
+    h.run("A", A, 0.0)
+    h.run("B", B, 1.0)
     probe = Request("q", B, max_tokens=1)
     probe.set_hash_block_size(4)
     keys = probe.block_hashes
-    _run(coord, "X0", C, 2.0)  # the GPU evicts B's unit (the leaf): pages 0..4 and the state at 4 go
+    h.run("X0", C, 2.0)  # the GPU evicts B's unit (the leaf): pages 0..4 and the state at 4 go
     assert host.host_state(keys[4]) and not host.host_state(keys[2])
-    _run(coord, "X1", D, 3.0)  # then A's unit: only its state at 2 (its pages are on the host)
+    h.run("X1", D, 3.0)  # then A's unit: only its state at 2 (its pages are on the host)
     assert host.host_state(keys[2])
     units = sorted(n.index for n in host.units.nodes.values() if n.unit is not None)
     assert units == [2, 4]  # the parent's state is a unit (before the fix: [4], the invariant failed)
@@ -58,18 +40,18 @@ def test_write_through_state_above_the_known_prefix_becomes_a_unit() -> None:
     boundary at 28 tokens). The host holds A's and B's units; its unit at 2 is then lost (a cascade:
     its state goes, its pages stay below B's). C's free stores the states at 2 and 6 (4 is there):
     the host prefix is 5 pages, so the walk must start at page 2, not 5."""
-    coord = KVCacheCoordinator(config(40), max_model_len=256, eviction="lru",
-                               host_tier=HostTierSpec(128 * 2 * 40, write="through"))
+    h = HostHarness(n=40, host_superblocks=40, write="through")
+    coord = h.coord
     host = coord.host
     assert host is not None
-    _run(coord, "A", A, 0.0)
-    _run(coord, "B", B, 1.0)
+    h.run("A", A, 0.0)
+    h.run("B", B, 1.0)
     probe = Request("q", B, max_tokens=1)
     probe.set_hash_block_size(4)
     node2 = host.units.nodes[probe.block_hashes[2]]
     assert node2.unit is not None
     host.units.evict_unit(node2.unit, chosen=False)  # the lost state: pages 0..4 stay (B's unit below)
     assert not host.host_state(probe.block_hashes[2]) and host.host_prefix(probe.block_hashes, 5) == 5
-    _run(coord, "C", B + list(range(60, 68)), 2.0)
+    h.run("C", B + list(range(60, 68)), 2.0)
     units = sorted(n.index for n in host.units.nodes.values() if n.unit is not None)
     assert units == [2, 4, 6]
