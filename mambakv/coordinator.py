@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from mambakv.coordinator_chunks import NOT_A_CHUNK, CoordinatorChunks
 from mambakv.coordinator_host import CoordinatorHost
 from mambakv.coordinator_pools import CoordinatorPools, build_host_tier, build_pools, build_units, unit_table_managers
 from mambakv.coordinator_queries import CoordinatorQueries
@@ -47,7 +48,7 @@ from mambakv.request_state import RequestState, check_computed, checked_draft_co
 __all__ = ["DEFAULT_PLACEMENT", "KVCacheCoordinator", "share_identical_policies"]
 
 
-class KVCacheCoordinator(CoordinatorHost, CoordinatorResults, CoordinatorQueries, CoordinatorPools):
+class KVCacheCoordinator(CoordinatorChunks, CoordinatorHost, CoordinatorResults, CoordinatorQueries, CoordinatorPools):
     """One manager per group over one BlockPool (unified) or a SuperblockArena's two pools (decoupled).
 
     Args:
@@ -227,6 +228,12 @@ class KVCacheCoordinator(CoordinatorHost, CoordinatorResults, CoordinatorQueries
             if num_tokens > live.num_scheduled:
                 live.num_scheduled = num_tokens
             return self._empty_blocks
+        # A running prefill chunk (no hits, no drafts): the fused path, unless a policy declines.
+        if (live is not None and not num_drafts and new_computed_blocks is None and self.arena is None
+                and num_computed < request.num_prompt_tokens and not (self._loads and rid in self._loads)):
+            out = self._allocate_chunk(request, live, num_tokens, num_lookahead_tokens)
+            if out is not NOT_A_CHUNK:
+                return out
         return self._allocate_slow(request, live, num_new_computed_tokens, new_computed_blocks, num_computed,
                                    num_tokens, num_lookahead_tokens, num_drafts)
 

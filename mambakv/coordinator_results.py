@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from mambakv.core.arena import SuperblockArena
 from mambakv.core.errors import (
     InvalidDraftCountError,
     InvalidRequestError,
@@ -36,12 +37,14 @@ class CoordinatorResults:
     checkpoint_placement: CheckpointPlacement
     prefix_cache_stats: PrefixCacheStats
     units: UnitIndex | None
+    arena: SuperblockArena | None
     now: float
     _unit_tables: tuple[SingleTypeKVCacheManager, ...]
     host: HostTier | None
     _loads: dict[str, Any]
 
-    if TYPE_CHECKING:  # CoordinatorHost's
+    if TYPE_CHECKING:  # CoordinatorHost's and CoordinatorChunks'
+        def _retire_chunk(self, live: RequestState, num_processed_tokens: int) -> bool: ...
         def _release_load(self, request_id: str, *, admitted_tokens: int | None = None) -> None: ...
         def _store_freed(self, request: Request) -> None: ...
 
@@ -74,6 +77,8 @@ class CoordinatorResults:
                 f"scheduled: cannot have processed {num_processed_tokens}")
         if num_processed_tokens < live.retire_quiet:
             return
+        if self.arena is None and self._retire_chunk(live, num_processed_tokens):
+            return  # every policy in a prefill chunk's state: the fused path
         policies, tables = self.policies, live.tables
         dead = [m.dead_slots(t, num_processed_tokens) for m, t in zip(policies, tables)]  # raises first
         if self.enable_caching:  # publish, then retire: a state published and retired lands cached

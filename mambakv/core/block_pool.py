@@ -248,6 +248,21 @@ class BlockPool:
         self.prefix_map.insert(blocks, block_hashes, kv_cache_group_id, parent_block_hash=parent_block_hash,
                                token_ids=token_ids, block_size=block_size, lora_id=lora_id, lora_name=lora_name)
 
+    def cache_state_blocks(self, blocks: Sequence[KVCacheBlock], block_hash: bytes, group_ids: Sequence[int], *,
+                           parent_block_hash: bytes | None = None, token_ids: Sequence[int] | None = None,
+                           block_size: int = 0, lora_id: int | None = None, lora_name: str | None = None) -> None:
+        """Publish ``blocks[i]`` under one `block_hash` in group ``group_ids[i]``: the states of
+        the Mamba groups that share one policy, at one boundary. The same as one
+        ``cache_full_blocks([blocks[i]], [block_hash], group_ids[i], ...)`` per group (the
+        events too, in that order), in one call and all or nothing.
+
+        Raises (nothing changed): InvalidBlockError, InvalidTokenCountError, as ``cache_full_blocks``.
+        """
+        if not self.enable_caching:
+            return
+        self.prefix_map.insert_state(blocks, block_hash, group_ids, parent_block_hash=parent_block_hash,
+                                     token_ids=token_ids, block_size=block_size, lora_id=lora_id, lora_name=lora_name)
+
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop these blocks' hashes (e.g. their data was lost). A held block stays in its
         tables; a free one moves to the head of the queue, as any unhashed free block (it holds

@@ -102,6 +102,44 @@ class PrefixMap:
             events.extend(stored_events(new, block_hashes, group_id, parent_block_hash, token_ids, block_size,
                                         lora_id, lora_name))
 
+    def insert_state(self, blocks: Sequence[KVCacheBlock], block_hash: bytes, group_ids: Sequence[int], *,
+                     parent_block_hash: bytes | None, token_ids: Sequence[int] | None, block_size: int,
+                     lora_id: int | None, lora_name: str | None) -> None:
+        """Give ``blocks[i]`` the hash `block_hash` in group ``group_ids[i]`` (one Mamba state per
+        group of a shared policy, all at one boundary): ``insert`` of one block per group, all
+        or nothing (``BlockPool.cache_state_blocks`` documents the arguments).
+
+        Raises (nothing changed):
+            InvalidBlockError: a block already carries a different hash or group.
+            InvalidTokenCountError: `token_ids` of another length than `block_size`.
+        """
+        for block, group_id in zip(blocks, group_ids):
+            if block.block_hash is not None:
+                _check_republish([block], [block_hash], group_id)
+        if self._events is not None or token_ids is not None:  # events: one insert per group, in order
+            if token_ids is not None and len(token_ids) != block_size:
+                raise InvalidTokenCountError(f"{len(token_ids)} token ids for 1 block of {block_size} tokens")
+            for block, group_id in zip(blocks, group_ids):
+                self.insert([block], [block_hash], group_id, parent_block_hash=parent_block_hash, token_ids=token_ids,
+                            block_size=block_size, lora_id=lora_id, lora_name=lora_name)
+            return
+        maps = self.maps
+        for block, group_id in zip(blocks, group_ids):
+            if block.block_hash is not None or block.is_null:
+                continue
+            block.block_hash = block_hash
+            block.cache_group_id = group_id
+            m = maps.get(group_id)
+            if m is None:
+                m = maps[group_id] = {}
+            entry = m.get(block_hash)
+            if entry is None:
+                m[block_hash] = block
+            elif isinstance(entry, dict):
+                entry[block.block_id] = block
+            else:
+                m[block_hash] = {entry.block_id: entry, block.block_id: block}
+
     def remove(self, block: KVCacheBlock) -> bool:
         """Drop hashed `block` from the map and clear its hash and group (it is about to hold
         something else, or its data was lost); count an eviction. True when it was the group's

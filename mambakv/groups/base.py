@@ -30,6 +30,7 @@ from mambakv.core.errors import InvalidRequestError
 from mambakv.core.events import stored_event_fields
 from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheSpec
+from mambakv.groups.chunks import ChunkMixin, chunks_fusable
 from mambakv.groups.kinds import GroupKind
 from mambakv.groups.release import ReleaseMixin
 from mambakv.groups.tables import (  # re-exported: base.py is the 0.1 home of these names
@@ -49,7 +50,12 @@ __all__ = ["NEVER", "BlockHashView", "BlockTable", "RequestBlocks", "SingleTypeK
            "_num_evictable", "cdiv", "group_block_hashes", "num_evictable"]
 
 
-class SingleTypeKVCacheManager(ReleaseMixin, ABC):
+#: the general path's steps that the chunk path stands in for: a subclass changing one opts out
+_CHUNK_STEPS = ("get_num_blocks_to_allocate", "count_columns", "allocate_new_blocks", "allocate_columns",
+                "dead_slots", "settle")
+
+
+class SingleTypeKVCacheManager(ReleaseMixin, ChunkMixin, ABC):
     """Block tables of one KV-cache group.
 
     Args:
@@ -81,6 +87,8 @@ class SingleTypeKVCacheManager(ReleaseMixin, ABC):
         self.null_block = block_pool.null_block
         self._tables: dict[str, BlockTable] = {}
         self.req_to_blocks: Mapping[str, list[KVCacheBlock]] = TableMapping(self._tables)
+        #: the coordinator's fused prefill chunk applies (mambakv.groups.chunks)
+        self.chunks = chunks_fusable(self, SingleTypeKVCacheManager, _CHUNK_STEPS)
 
     # ------------------------------------------------------------------ tables
     def table(self, request_id: str) -> BlockTable:

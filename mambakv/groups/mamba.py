@@ -25,6 +25,7 @@ The concerns live in one module each:
 this module            the manager: counting, allocation dispatch, publication,
                        the next retire event
 ``mamba_fused.py``     the fused ``schedule_step`` of a manager used alone
+``mamba_chunk.py``     the coordinator's fused prefill chunk over every column
 =====================  ===========================================================
 """
 
@@ -40,8 +41,10 @@ from mambakv.core.events import stored_event_fields
 from mambakv.core.request import Request
 from mambakv.core.spec import DecodeCheckpoints, MambaCacheMode, MambaSpec
 from mambakv.groups.base import NEVER, BlockTable, group_block_hashes, num_evictable
+from mambakv.groups.chunks import chunks_fusable
 from mambakv.groups.drafts import MambaTable
 from mambakv.groups.kinds import GroupKind
+from mambakv.groups.mamba_chunk import MAMBA_CHUNK_STEPS, MambaChunkMixin
 from mambakv.groups.mamba_columns import ColumnsMixin
 from mambakv.groups.mamba_fused import FusedStepMixin
 from mambakv.groups.mamba_release import MambaReleaseMixin
@@ -53,7 +56,7 @@ __all__ = ["AlignStep", "MambaManager", "MambaRequestBlocks", "MambaTable", "run
 MambaRequestBlocks = MambaTable
 
 
-class MambaManager(MambaReleaseMixin, ColumnsMixin, FusedStepMixin):
+class MambaManager(MambaReleaseMixin, ColumnsMixin, MambaChunkMixin, FusedStepMixin):
     """State blocks of one Mamba group (one block = one whole state of every layer).
 
     Mode NONE: a request holds ``1 + nspec`` blocks (running state + scratch) whatever its
@@ -87,8 +90,11 @@ class MambaManager(MambaReleaseMixin, ColumnsMixin, FusedStepMixin):
         self._zero_plan: list[int] = []
         #: the managers of every column this one drives (itself first, then its followers)
         self._column_managers: tuple[MambaManager, ...] = (self,)
+        self._column_ids = (kv_cache_group_id,)
         #: align mode over one column: ``schedule_step`` may take its fused path
         self._fused = self._align
+        #: the coordinator's fused prefill chunk applies (mambakv.groups.mamba_chunk)
+        self.chunks = self._align and chunks_fusable(self, MambaManager, MAMBA_CHUNK_STEPS)
         self.decode_checkpoints = kv_cache_spec.decode_checkpoints
         self._decode_in_place = self._align and self.decode_checkpoints is not DecodeCheckpoints.EVERY
         self._spares = self._decode_in_place and self.decode_checkpoints is DecodeCheckpoints.LATEST \
@@ -203,9 +209,14 @@ class MambaManager(MambaReleaseMixin, ColumnsMixin, FusedStepMixin):
             self._check_leader()
             self._settle_decode(t, num_tokens)
             self._publish_spare(request, t, num_tokens)
-        if not t.positions:
-            return
-        self._check_leader()
+        if t.positions:
+            self._check_leader()
+            self.publish_settled(request, t, num_tokens)
+
+    def publish_settled(self, request: Request, t: MambaTable, num_tokens: int) -> None:
+        """The tagged half of ``cache_blocks`` (the chunk path calls it directly): each tag at
+        most `num_tokens` leaves; a tag on its slot's boundary publishes the slot's block of
+        every column under the slot's key."""
         positions = t.positions
         bs = self.block_size
         keys: Sequence[bytes] | None = None
@@ -219,10 +230,7 @@ class MambaManager(MambaReleaseMixin, ColumnsMixin, FusedStepMixin):
                 continue
             fields = (stored_event_fields(request, keys, slot, slot + 1, bs)
                       if self.block_pool.enable_kv_cache_events else {})
-            for col, m in zip(t.columns, self._column_managers):
-                block = col[slot]
-                if block is not self.null_block:
-                    self.block_pool.cache_full_blocks([block], [keys[slot]], m.kv_cache_group_id, **fields)
+            self.block_pool.cache_state_blocks([col[slot] for col in t.columns], keys[slot], self._column_ids, **fields)
             if t.in_decode:  # latest: a decode step without drafts ended exactly on the boundary
                 self._note_checkpoint(t, [col[slot] for col in t.columns], keys[slot])
 

@@ -31,6 +31,7 @@ class ColumnsMixin(DraftsMixin):
 
     num_speculative_blocks: int
     _column_managers: tuple[MambaManager, ...]
+    _column_ids: tuple[int, ...]
     _fused: bool
 
     def share_policy(self, followers: Sequence[MambaManager]) -> None:
@@ -48,13 +49,14 @@ class ColumnsMixin(DraftsMixin):
             raise InvalidSpecError("share_policy before any request holds blocks")
         for f in followers:
             f.is_follower = True
-            f._fused = False  # a follower is driven through its leader
+            f._fused = f.chunks = False  # a follower is driven through its leader
         self._column_managers = (self, *followers)  # type: ignore[arg-type]  # self is a MambaManager
+        self._column_ids = tuple(m.kv_cache_group_id for m in self._column_managers)
         self._fused = False  # the fused step drives one column
 
     @property
     def column_ids(self) -> tuple[int, ...]:
-        return tuple(m.kv_cache_group_id for m in self._column_managers)
+        return self._column_ids
 
     def table(self, request_id: str) -> MambaTable:
         """The request's table (created with one block column per sharing group)."""

@@ -117,10 +117,14 @@ class QueriesMixin(DecodeCheckpointsMixin):
 
     def check_invariants(self) -> None:
         """Base checks, plus: scratch blocks have ref count 1 and no hash; the running block
-        is real and unshared; position tags lie within the table."""
+        is real and unshared; position tags lie within the table; every block column (groups
+        sharing the policy) has column 0's length and null slots."""
         super().check_invariants()
         null = self.null_block
         for rid, t in self._tables.items():
+            for col in t.columns[1:]:
+                assert len(col) == len(t.blocks) and all((a is null) == (b is null) for a, b in zip(col, t.blocks)), \
+                    f"{rid}: block columns differ in shape"
             if t.running_slot < 0:
                 continue
             r = t.running_slot

@@ -68,10 +68,11 @@ class MambaReleaseMixin(DraftsMixin):
         low = t.retired_below
         if stop <= low:
             return
-        null = self.null_block
-        freed = [b for col in t.columns for b in col[stop - 1 : low - 1 if low else None : -1] if b is not null]
-        if freed:
-            self.block_pool.free_blocks(freed)
+        blocks, null = t.blocks, self.null_block
+        # Every column has column 0's null pattern (check_invariants): scan one, gather from all.
+        real = [i for i in range(stop - 1, low - 1, -1) if blocks[i] is not null]  # deepest first
+        if real:
+            self.block_pool.free_blocks([col[i] for col in t.columns for i in real])
         nulls = [null] * (stop - low)
         for col in t.columns:
             col[low:stop] = nulls

@@ -1,0 +1,94 @@
+"""The running prefill chunk, fused: the group half of the coordinator's chunk path
+(:mod:`mambakv.coordinator_chunks`).
+
+The commonest slow step of a long prompt is a running request's next prefill chunk without
+drafts or hits. Each policy takes it in two calls instead of the general path's six or more::
+
+    general path                                       chunk path
+    count_columns / get_num_blocks_to_allocate   ->    chunk_need     (pure; -1: not a chunk here)
+    allocate_columns, plan_checkpoint_write      ->    grow_chunk     (commit)
+    dead_slots, cache_blocks, retire_slots,
+      settle, next_event (at retire)             ->    chunk_retire_ok + retire_chunk
+
+A policy answers -1 / False whenever its step is anything else (drafts pending, decode, a
+subclass overriding a step of the contract), and the coordinator takes the general path; the
+two paths leave the same tables, blocks, queue order and plans (``tests/groups/test_chunks.py``
+replays both side by side). This module holds the attention kinds' half; Mamba's is
+:mod:`mambakv.groups.mamba_chunk`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mambakv.core.block import KVCacheBlock
+from mambakv.core.block_pool import BlockPool
+from mambakv.core.request import Request
+from mambakv.groups.tables import BlockTable
+
+if TYPE_CHECKING:
+    from mambakv.groups.base import SingleTypeKVCacheManager
+
+__all__ = ["ChunkMixin", "chunks_fusable"]
+
+
+def chunks_fusable(manager: SingleTypeKVCacheManager, base: type, names: tuple[str, ...]) -> bool:
+    """True when `manager`'s class keeps `base`'s own version of every method in `names`: a
+    subclass that changes one (a teeth test's planted rule, an engine's own policy) gets the
+    general path, so the chunk path never bypasses it."""
+    cls = type(manager)
+    return all(getattr(cls, n) is getattr(base, n) for n in names)
+
+
+class ChunkMixin:
+    """``chunk_need`` / ``grow_chunk`` / ``chunk_retire_ok`` / ``retire_chunk`` of the attention
+    kinds (the table grows by whole blocks; full blocks are published at allocation)."""
+
+    block_size: int
+    block_pool: BlockPool
+    enable_caching: bool
+    retires: bool
+    #: the chunk path applies to this manager (set by ``SingleTypeKVCacheManager.__init__``)
+    chunks: bool
+
+    def chunk_need(self, table: BlockTable, num_tokens: int, num_lookahead_tokens: int) -> int:
+        """Blocks (over every column) a running prefill chunk to `num_tokens` main tokens takes,
+        or -1 when this group needs the general path. Pure."""
+        if not self.chunks:
+            return -1
+        n = -((num_tokens + num_lookahead_tokens) // -self.block_size) - len(table.blocks)
+        return n if n > 0 else 0
+
+    def grow_chunk(self, request_id: str, table: BlockTable, num_tokens: int,
+                   num_lookahead_tokens: int) -> list[list[KVCacheBlock]]:
+        """Commit the chunk ``chunk_need`` counted (the caller checked that the pool has the
+        blocks): grow the table. Returns the new blocks per column. Publication follows once
+        every policy grew (``cache_blocks``), as on the general path: the KV events keep its order."""
+        blocks = table.blocks
+        n = -((num_tokens + num_lookahead_tokens) // -self.block_size) - len(blocks)
+        if n <= 0:
+            return [[]]
+        new = self.block_pool.get_new_blocks(n)
+        blocks += new
+        return [new]
+
+    def chunk_retire_ok(self, table: BlockTable, num_processed_tokens: int) -> bool:
+        """True when ``retire_chunk`` can take this group's retire (it raises nothing then)."""
+        return self.chunks
+
+    def retire_chunk(self, request: Request, table: BlockTable, num_processed_tokens: int) -> int:
+        """Publish what the processed tokens filled, retire what they skipped; returns the
+        table's next event (``next_event``)."""
+        if self.enable_caching and num_processed_tokens // self.block_size > table.num_cached_blocks:
+            self.cache_blocks(request, num_processed_tokens)
+        if self.retires:
+            num_slots = self.num_dead_slots(table, num_processed_tokens)
+            if num_slots > table.retired_below:
+                self.retire_slots(table, num_slots)
+        return self.next_event(table)
+
+    if TYPE_CHECKING:  # SingleTypeKVCacheManager's
+        def cache_blocks(self, request: Request, num_tokens: int) -> None: ...
+        def num_dead_slots(self, table: BlockTable, num_processed_tokens: int) -> int: ...
+        def retire_slots(self, table: BlockTable, num_slots: int) -> None: ...
+        def next_event(self, table: BlockTable) -> int: ...
