@@ -129,6 +129,10 @@ class KVCacheCoordinator(CoordinatorChunks, CoordinatorHost, CoordinatorResults,
         #: the managers that run a policy (groups with one Mamba spec share the first one's)
         self.policies: tuple[SingleTypeKVCacheManager, ...] = share_identical_policies(self.managers)
         self._columns = tuple(m.column_ids for m in self.policies)
+        #: the policies' columns in policy order, and where each group's column sits among them
+        flat = [g for cols in self._columns for g in cols]
+        self._column_of_group = tuple(flat.index(g) for g in range(len(self.managers)))
+        self._columns_in_order = flat == list(range(len(self.managers)))
         #: per policy, its columns' (empty) hit lists when a step has no hits
         self._policy_no_hits = tuple(((),) * len(cols) for cols in self._columns)
         self._mamba_policies = tuple(m for m in self.policies if isinstance(m, MambaManager))
@@ -143,9 +147,8 @@ class KVCacheCoordinator(CoordinatorChunks, CoordinatorHost, CoordinatorResults,
         self._hits = PrefixHitFinder(self.managers, self.alignment_tokens)
         #: request id -> its one RequestState (tables, thresholds), for requests that hold blocks
         self._live: dict[str, RequestState] = {}
-        #: per group, blocks the tables gained since the last new_step / take_step_plan
-        self._new_blocks: list[list[list[KVCacheBlock]]] = [[] for _ in self.managers]
-        self._new_pending = False
+        #: the per-group new blocks of every allocate since the last new_step / take_step_plan
+        self._new_results: list[tuple[list[KVCacheBlock], ...]] = []
         #: a Mamba group may have copies / zeros to drain (set with its new blocks)
         self._copies_pending = self._zeros_pending = False
         self.prefix_cache_stats = PrefixCacheStats()
@@ -310,10 +313,8 @@ class KVCacheCoordinator(CoordinatorChunks, CoordinatorHost, CoordinatorResults,
                                             decode=num_computed >= request.num_prompt_tokens)
             if per_column[0]:
                 any_new = True
-                self._new_pending = True
                 for gid, blocks in zip(cols, per_column):
                     new_blocks[gid] = blocks
-                    self._new_blocks[gid].append(blocks)  # ids are read only if a plan is taken
         for mp in self._mamba_policies:  # optional spares last: they may only use blocks nobody counted on
             if active is None or mp in policies:
                 mp.plan_checkpoint_write(rid)
@@ -334,5 +335,8 @@ class KVCacheCoordinator(CoordinatorChunks, CoordinatorHost, CoordinatorResults,
             self._copies_pending = self._zeros_pending = True
         if self.units is not None:
             self.units.settle()
-        # Most decode steps need no block: hand out one shared empty result (do not mutate it).
-        return KVCacheBlocks(tuple(new_blocks)) if any_new else self._empty_blocks
+        if not any_new:  # most decode steps need no block: one shared empty result (do not mutate it)
+            return self._empty_blocks
+        out = tuple(new_blocks)
+        self._new_results.append(out)  # ids are read only if a plan is taken
+        return KVCacheBlocks(out)

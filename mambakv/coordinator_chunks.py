@@ -41,10 +41,10 @@ class CoordinatorChunks:
     enable_caching: bool
     _attention: tuple[SingleTypeKVCacheManager, ...]
     _columns: tuple[tuple[int, ...], ...]
-    _new_blocks: list[list[list[KVCacheBlock]]]
-    _new_pending: bool
+    _new_results: list[tuple[list[KVCacheBlock], ...]]
     _copies_pending: bool
-    _zeros_pending: bool
+    _columns_in_order: bool
+    _column_of_group: tuple[int, ...]
     _empty_blocks: KVCacheBlocks
 
     def _allocate_chunk(self, request: Request, live: RequestState, num_tokens: int,
@@ -65,20 +65,12 @@ class CoordinatorChunks:
             request.set_hash_block_size(self.hash_block_size)
         if live.num_scheduled < num_tokens:
             live.num_scheduled = num_tokens
-        rid = request.request_id
-        new_blocks: list[list[KVCacheBlock]] | None = None
-        for p, t, cols in zip(policies, tables, self._columns):
-            per_column = p.grow_chunk(rid, t, num_tokens, num_lookahead_tokens)
-            if per_column[0]:
-                if new_blocks is None:
-                    new_blocks = [[] for _ in self.managers]
-                    self._new_pending = True
-                for gid, blocks in zip(cols, per_column):
-                    new_blocks[gid] = blocks
-                    self._new_blocks[gid].append(blocks)  # ids are read only if a plan is taken
-        if self.enable_caching:  # publish: attention KV is written before it is read
-            num_real = min(num_tokens, request.num_tokens)  # no drafts; never a placeholder
-            for a in self._attention:
+        num_real = min(num_tokens, request.num_tokens)  # no drafts; never a placeholder
+        per_column: list[list[KVCacheBlock]] = []
+        for p, t in zip(policies, tables):
+            per_column += p.grow_chunk(request, t, num_tokens, num_lookahead_tokens, num_real)
+        if self.block_pool.enable_kv_cache_events and self.enable_caching:
+            for a in self._attention:  # with events, publication waits for every policy's blocks
                 a.cache_blocks(request, num_real)
         live.refresh(policies)
         quiet = NEVER
@@ -87,11 +79,13 @@ class CoordinatorChunks:
             if nxt < quiet:
                 quiet = nxt
         live.retire_quiet = quiet
-        if new_blocks is None:
+        if not any(per_column):
             return self._empty_blocks
-        if self.mamba_managers:
-            self._copies_pending = self._zeros_pending = True
-        return KVCacheBlocks(tuple(new_blocks))
+        if self.mamba_managers:  # a chunk plans no zeros: every Mamba column copies its last state
+            self._copies_pending = True
+        new = tuple(per_column) if self._columns_in_order else tuple(per_column[i] for i in self._column_of_group)
+        self._new_results.append(new)  # ids are read only if a plan is taken
+        return KVCacheBlocks(new)
 
     def _retire_chunk(self, live: RequestState, num_processed_tokens: int) -> bool:
         """``retire`` of a request whose every policy is in a chunk's state (its checks
@@ -102,10 +96,13 @@ class CoordinatorChunks:
                 return False
         request = live.request
         quiet = NEVER
+        moved = False
         for p, t in zip(policies, tables):
-            nxt = p.retire_chunk(request, t, num_processed_tokens)
+            nxt, m = p.retire_chunk(request, t, num_processed_tokens)
             if nxt < quiet:
                 quiet = nxt
+            moved = moved or m
         live.retire_quiet = quiet
-        live.refresh(policies)
+        if moved:  # a publication or a retirement moved some policy's thresholds: recount
+            live.refresh(policies)
         return True

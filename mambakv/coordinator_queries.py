@@ -39,8 +39,7 @@ class CoordinatorQueries(CoordinatorPools):
     _hits: PrefixHitFinder
     _live: dict[str, RequestState]
     _empty_blocks: KVCacheBlocks
-    _new_blocks: list[list[list[KVCacheBlock]]]
-    _new_pending: bool
+    _new_results: list[tuple[list[KVCacheBlock], ...]]
     _copies_pending: bool
     _zeros_pending: bool
     max_model_len: int
@@ -146,15 +145,15 @@ class CoordinatorQueries(CoordinatorPools):
         (new block ids, pre-forward copies, zero rows, checkpoint writes). Returns the shared
         ``EMPTY_STEP_PLAN`` at once when nothing happened."""
         writes = self.take_checkpoint_writes()
-        if not (self._new_pending or self._copies_pending or self._zeros_pending or writes):
+        results = self._new_results
+        if not (results or self._copies_pending or self._zeros_pending or writes):
             return EMPTY_STEP_PLAN
         copies = self.take_copy_plan()
         zeros = self.take_zero_plan()
-        self._new_pending = False
+        self._new_results = []
         out = []
         for gid in range(len(self.managers)):
-            new, self._new_blocks[gid] = self._new_blocks[gid], []
-            plan = GroupPlan(gid, tuple(b.block_id for blocks in new for b in blocks), tuple(copies.get(gid, ())),
+            plan = GroupPlan(gid, tuple(b.block_id for r in results for b in r[gid]), tuple(copies.get(gid, ())),
                              tuple(zeros.get(gid, ())), tuple(writes.get(gid, ())))
             if not plan.empty:
                 out.append(plan)
@@ -165,7 +164,12 @@ class CoordinatorQueries(CoordinatorPools):
         if not self._copies_pending:
             return {}
         self._copies_pending = False
-        return {m.kv_cache_group_id: p for m in self.mamba_managers if (p := m.take_copy_plan())}
+        out = {}
+        for m in self.mamba_managers:
+            plan = m.take_copy_plan()
+            if plan:
+                out[m.kv_cache_group_id] = plan
+        return out
 
     def take_zero_plan(self) -> dict[int, list[int]]:
         """Per Mamba group: running blocks that start with no initial state (zero them)."""
@@ -215,10 +219,8 @@ class CoordinatorQueries(CoordinatorPools):
         planned since the last ``new_step`` or drain: what an engine did not take is dropped
         here, so nothing accumulates for an engine that never asks."""
         self.num_steps += 1
-        if self._new_pending:
-            self._new_pending = False
-            for blocks in self._new_blocks:
-                blocks.clear()
+        if self._new_results:
+            self._new_results = []
         for m in self.mamba_managers:  # m.drop_checkpoint_writes(), inlined
             if m._writes:
                 m._writes = []

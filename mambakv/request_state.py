@@ -49,12 +49,11 @@ class RequestState:
         """Recompute the allocation thresholds from the tables (after a slow step); with
         `active`, only those policies' (the others' tables did not change)."""
         per = self.thresholds
-        if active is None:
-            per[:] = [m.thresholds(t) for m, t in zip(managers, self.tables)]
-        else:
-            for i, (m, t) in enumerate(zip(managers, self.tables)):
-                if active[i]:
-                    per[i] = m.thresholds(t)
+        i = 0
+        for m, t in zip(managers, self.tables):
+            if active is None or active[i]:
+                per[i] = m.thresholds(t)
+            i += 1
         covered = quiet = 1 << 62
         most = 0
         for c, q in per:

@@ -210,7 +210,7 @@ class BlockPool:
         if unhashed:
             self.free_block_queue.prepend_n(unhashed, checked=False)
         if hashed:
-            self.free_block_queue.append_n(hashed, checked=False)
+            self.free_block_queue.append_unchecked(hashed)
 
     # ------------------------------------------------------------------ prefix cache
     def cache_full_blocks(

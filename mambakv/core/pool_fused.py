@@ -1,7 +1,21 @@
-"""One retirement and one allocation in one call: ``free_blocks(freed)`` then
-``get_new_blocks(num_new)``, for a table that frees the block it grows into (a Mamba prefill
-chunk frees its old running state, then takes one block).
+"""Pairs of pool calls that a prefill chunk makes back to back, in one pass each, with the same
+result as the two calls (blocks, ref counts, queue order, prefix-cache map, eviction count):
 
+=====================  =================================================================
+``free_then_get``      ``free_blocks(freed)`` then ``get_new_blocks(num_new)``: a Mamba
+                       chunk of a manager used alone frees its old running state, then
+                       takes one block
+``get_then_cache``     ``get_new_blocks(n)`` then ``cache_full_blocks`` of the first of
+                       them: an attention table's chunk of full blocks
+``cache_then_free``    ``cache_state_blocks(states, ...)`` then ``free_blocks(freed)``: a
+                       Mamba retire publishes the boundary state, frees the older one
+=====================  =================================================================
+
+Each one takes the two calls whenever anything is unusual: KV events on (their order is the
+two calls'), a block that is not plainly fresh / held, or a pool class that overrides one of
+the calls (a subclass that notes requeued blocks, a teeth test's planted rule).
+
+``free_then_get``:
 When exactly one unhashed block reaches ref count 0 and one block is wanted, the free would put
 it at the head of the queue and the allocation would pop it right back: the block simply stays
 out of the queue with ref count 1 (same block, same queue, same counts). Every other case, and
@@ -10,14 +24,36 @@ that notes requeued blocks, a teeth test's planted rule), makes the two calls.""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
+from mambakv.core.prefix_map import map_blocks, map_state
 
-__all__ = ["free_then_get"]
+__all__ = ["cache_then_free", "free_then_get", "get_then_cache"]
 
 _FREE = BlockPool.free_blocks
 _REQUEUE = BlockPool._requeue
 _GET = BlockPool.get_new_blocks
+_CACHE = BlockPool.cache_full_blocks
+_CACHE_STATES = BlockPool.cache_state_blocks
+
+
+_PLAIN_CLASSES: dict[type, bool] = {}
+
+
+def _plain(pool: BlockPool) -> bool:
+    """Caching on, no events, and the pool's class keeps BlockPool's own free / requeue / get /
+    cache calls (the answer per class is kept: classes do not change)."""
+    if not pool.enable_caching or pool.enable_kv_cache_events:
+        return False
+    cls = type(pool)
+    plain = _PLAIN_CLASSES.get(cls)
+    if plain is None:
+        plain = _PLAIN_CLASSES[cls] = (cls.free_blocks is _FREE and cls._requeue is _REQUEUE
+                                       and cls.get_new_blocks is _GET and cls.cache_full_blocks is _CACHE
+                                       and cls.cache_state_blocks is _CACHE_STATES)
+    return plain
 
 
 def free_then_get(pool: BlockPool, freed: list[KVCacheBlock], num_new: int) -> list[KVCacheBlock] | None:
@@ -36,3 +72,77 @@ def free_then_get(pool: BlockPool, freed: list[KVCacheBlock], num_new: int) -> l
     if num_new > pool.free_block_queue.num_free_blocks:
         return None
     return pool.get_new_blocks(num_new)
+
+
+def get_then_cache(pool: BlockPool, num_blocks: int, block_hashes: Sequence[bytes],
+                   group_id: int) -> list[KVCacheBlock]:
+    """``new = pool.get_new_blocks(num_blocks)``, then ``pool.cache_full_blocks(new[:k],
+    block_hashes, group_id)`` with ``k = len(block_hashes) <= num_blocks``, without the second
+    call's checks (a block just popped carries no hash) and layers.
+
+    Raises: as ``get_new_blocks`` (nothing changed)."""
+    if not _plain(pool) or num_blocks > pool.free_block_queue.num_free_blocks or len(block_hashes) > num_blocks:
+        new = pool.get_new_blocks(num_blocks)
+        if block_hashes:
+            pool.cache_full_blocks(new[: len(block_hashes)], block_hashes, group_id)
+        return new
+    new = pool.free_block_queue.popleft_n(num_blocks)
+    pm = pool.prefix_map
+    for block in new:
+        block.ref_cnt = 1
+        if block.block_hash is not None:  # evicted (a fresh pool: never)
+            pm.remove(block)
+    m = pm.maps.get(group_id)
+    if m is None:
+        m = pm.maps[group_id] = {}
+    map_blocks(m, new, block_hashes, group_id)  # zip stops at the hashes: the partial block stays unhashed
+    return new
+
+
+def cache_then_free(pool: BlockPool, states: Sequence[KVCacheBlock], block_hash: bytes | None,
+                    group_ids: Sequence[int], freed: list[KVCacheBlock]) -> None:
+    """``pool.cache_state_blocks(states, block_hash, group_ids)`` (skipped when `block_hash` is
+    None), then ``pool.free_blocks(freed)``, in one pass when every state is a held block
+    without a hash and every freed block a distinct held block of this pool (what a prefill
+    chunk's retire has); otherwise the two calls, which raise as documented there.
+
+    Raises: as the two calls."""
+    plain = _plain(pool) and (len(freed) < 2 or len(set(freed)) == len(freed))
+    if plain:
+        pid = pool.pool_id
+        for b in freed:
+            if b.ref_cnt < 1 or b.pool_id != pid or b.is_null:
+                plain = False
+                break
+        if block_hash is not None:
+            for b in states:
+                if b.block_hash is not None or b.ref_cnt < 1 or b.pool_id != pid:
+                    plain = False
+                    break
+    if not plain:
+        if block_hash is not None:
+            pool.cache_state_blocks(states, block_hash, group_ids)
+        if freed:
+            pool.free_blocks(freed)
+        return
+    if block_hash is not None:
+        map_state(pool.prefix_map.maps, states, block_hash, group_ids)
+    q = pool.free_block_queue
+    tail = q.sentinels[1]
+    last = tail.prev_free_block
+    unhashed: list[KVCacheBlock] = []
+    for block in freed:  # free_blocks' requeue, inlined: hashed to the tail, unhashed (rare) to the head, in order
+        block.ref_cnt -= 1
+        if block.ref_cnt:
+            continue
+        if block.block_hash is None:
+            unhashed.append(block)
+            continue
+        last.next_free_block = block  # type: ignore[union-attr]
+        block.prev_free_block = last
+        last = block
+        q.num_free_blocks += 1
+    last.next_free_block = tail  # type: ignore[union-attr]
+    tail.prev_free_block = last
+    if unhashed:
+        q.prepend_n(unhashed, checked=False)

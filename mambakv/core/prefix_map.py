@@ -24,7 +24,7 @@ from mambakv.core.block import KVCacheBlock
 from mambakv.core.errors import InvalidBlockError, InvalidTokenCountError
 from mambakv.core.events import AllBlocksCleared, BlockRemoved, KVCacheEvent, stored_events
 
-__all__ = ["MapEntry", "PrefixMap"]
+__all__ = ["MapEntry", "PrefixMap", "map_blocks", "map_state"]
 
 #: one hash of one group: its only block, or ``{block_id: block}`` for several copies
 MapEntry = KVCacheBlock | dict[int, KVCacheBlock]
@@ -70,19 +70,7 @@ class PrefixMap:
         m = self.maps.setdefault(group_id, {})
         events = self._events
         if events is None:  # the hot path: no event bookkeeping
-            get = m.get
-            for block, block_hash in zip(blocks, block_hashes):
-                if block.block_hash is not None or block.is_null:
-                    continue
-                block.block_hash = block_hash
-                block.cache_group_id = group_id
-                entry = get(block_hash)
-                if entry is None:
-                    m[block_hash] = block
-                elif isinstance(entry, dict):
-                    entry[block.block_id] = block
-                else:
-                    m[block_hash] = {entry.block_id: entry, block.block_id: block}
+            map_blocks(m, blocks, block_hashes, group_id)
             return
         new: list[int] = []
         for i, (block, block_hash) in enumerate(zip(blocks, block_hashes)):
@@ -123,22 +111,7 @@ class PrefixMap:
                 self.insert([block], [block_hash], group_id, parent_block_hash=parent_block_hash, token_ids=token_ids,
                             block_size=block_size, lora_id=lora_id, lora_name=lora_name)
             return
-        maps = self.maps
-        for block, group_id in zip(blocks, group_ids):
-            if block.block_hash is not None or block.is_null:
-                continue
-            block.block_hash = block_hash
-            block.cache_group_id = group_id
-            m = maps.get(group_id)
-            if m is None:
-                m = maps[group_id] = {}
-            entry = m.get(block_hash)
-            if entry is None:
-                m[block_hash] = block
-            elif isinstance(entry, dict):
-                entry[block.block_id] = block
-            else:
-                m[block_hash] = {entry.block_id: entry, block.block_id: block}
+        map_state(self.maps, blocks, block_hash, group_ids)
 
     def remove(self, block: KVCacheBlock) -> bool:
         """Drop hashed `block` from the map and clear its hash and group (it is about to hold
@@ -214,6 +187,47 @@ class PrefixMap:
                     assert b.block_hash == h and b.cache_group_id == gid, f"block {b.block_id} mapped wrongly"
                     mapped += 1
         assert num_hashed == mapped, f"{num_hashed} hashed blocks but {mapped} in the map"
+
+
+def map_blocks(m: dict[bytes, MapEntry], blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes],
+               group_id: int) -> None:
+    """``insert``'s map update without events, its checks done (``mambakv.core.pool_fused`` calls
+    it for blocks it just popped): null and already hashed blocks are skipped; a second block of
+    a hash turns the entry into ``{block_id: block}``."""
+    get = m.get
+    for block, block_hash in zip(blocks, block_hashes):
+        if block.block_hash is not None or block.is_null:
+            continue
+        block.block_hash = block_hash
+        block.cache_group_id = group_id
+        entry = get(block_hash)
+        if entry is None:
+            m[block_hash] = block
+        elif isinstance(entry, dict):
+            entry[block.block_id] = block
+        else:
+            m[block_hash] = {entry.block_id: entry, block.block_id: block}
+
+
+def map_state(maps: dict[int, dict[bytes, MapEntry]], blocks: Sequence[KVCacheBlock], block_hash: bytes,
+              group_ids: Sequence[int]) -> None:
+    """``insert_state``'s map update without events (checks done): ``blocks[i]`` under
+    `block_hash` in group ``group_ids[i]``."""
+    for block, group_id in zip(blocks, group_ids):
+        if block.block_hash is not None or block.is_null:
+            continue
+        block.block_hash = block_hash
+        block.cache_group_id = group_id
+        m = maps.get(group_id)
+        if m is None:
+            m = maps[group_id] = {}
+        entry = m.get(block_hash)
+        if entry is None:
+            m[block_hash] = block
+        elif isinstance(entry, dict):
+            entry[block.block_id] = block
+        else:
+            m[block_hash] = {entry.block_id: entry, block.block_id: block}
 
 
 def _check_republish(blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes], group_id: int) -> None:

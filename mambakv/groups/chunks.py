@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING
 
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
+from mambakv.core.pool_fused import get_then_cache
 from mambakv.core.request import Request
-from mambakv.groups.tables import BlockTable
+from mambakv.groups.tables import BlockTable, group_block_hashes
 
 if TYPE_CHECKING:
     from mambakv.groups.base import SingleTypeKVCacheManager
@@ -48,6 +49,7 @@ class ChunkMixin:
     block_pool: BlockPool
     enable_caching: bool
     retires: bool
+    kv_cache_group_id: int
     #: the chunk path applies to this manager (set by ``SingleTypeKVCacheManager.__init__``)
     chunks: bool
 
@@ -59,33 +61,54 @@ class ChunkMixin:
         n = -((num_tokens + num_lookahead_tokens) // -self.block_size) - len(table.blocks)
         return n if n > 0 else 0
 
-    def grow_chunk(self, request_id: str, table: BlockTable, num_tokens: int,
-                   num_lookahead_tokens: int) -> list[list[KVCacheBlock]]:
+    def grow_chunk(self, request: Request, table: BlockTable, num_tokens: int, num_lookahead_tokens: int,
+                   num_real: int) -> list[list[KVCacheBlock]]:
         """Commit the chunk ``chunk_need`` counted (the caller checked that the pool has the
-        blocks): grow the table. Returns the new blocks per column. Publication follows once
-        every policy grew (``cache_blocks``), as on the general path: the KV events keep its order."""
+        blocks): grow the table and, without KV events, publish the blocks full within
+        `num_real` real tokens (with events the coordinator publishes once every policy grew,
+        as on the general path, so that the event stream keeps its order). Returns the new
+        blocks per column."""
         blocks = table.blocks
-        n = -((num_tokens + num_lookahead_tokens) // -self.block_size) - len(blocks)
-        if n <= 0:
-            return [[]]
-        new = self.block_pool.get_new_blocks(n)
-        blocks += new
+        bs = self.block_size
+        held = len(blocks)
+        n = -((num_tokens + num_lookahead_tokens) // -bs) - held
+        start = table.num_cached_blocks
+        if num_real // bs <= start or not self.enable_caching or self.block_pool.enable_kv_cache_events:
+            new = self.block_pool.get_new_blocks(n) if n > 0 else []
+            blocks += new
+            return [new]
+        keys = request.block_hashes if request.hash_block_size == bs else group_block_hashes(request, bs)
+        num_full = min(num_real // bs, held + max(n, 0), len(keys))
+        if start == held and n > 0:  # every block to publish is new: take and publish in one pass
+            new = get_then_cache(self.block_pool, n, keys[start:num_full], self.kv_cache_group_id)
+            blocks += new
+        else:
+            new = self.block_pool.get_new_blocks(n) if n > 0 else []
+            blocks += new
+            if num_full > start:
+                self.block_pool.cache_full_blocks(blocks[start:num_full], keys[start:num_full], self.kv_cache_group_id)
+        if num_full > start:
+            table.num_cached_blocks = num_full
         return [new]
 
     def chunk_retire_ok(self, table: BlockTable, num_processed_tokens: int) -> bool:
         """True when ``retire_chunk`` can take this group's retire (it raises nothing then)."""
         return self.chunks
 
-    def retire_chunk(self, request: Request, table: BlockTable, num_processed_tokens: int) -> int:
-        """Publish what the processed tokens filled, retire what they skipped; returns the
-        table's next event (``next_event``)."""
+    def retire_chunk(self, request: Request, table: BlockTable, num_processed_tokens: int) -> tuple[int, bool]:
+        """Publish what the processed tokens filled, retire what they skipped. Returns the
+        table's next event (``next_event``) and whether its ``thresholds`` moved (a block was
+        published: the quiet threshold follows the published cursor)."""
+        moved = False
         if self.enable_caching and num_processed_tokens // self.block_size > table.num_cached_blocks:
             self.cache_blocks(request, num_processed_tokens)
+            moved = True
         if self.retires:
             num_slots = self.num_dead_slots(table, num_processed_tokens)
             if num_slots > table.retired_below:
                 self.retire_slots(table, num_slots)
-        return self.next_event(table)
+                moved = True
+        return self.next_event(table), moved
 
     if TYPE_CHECKING:  # SingleTypeKVCacheManager's
         def cache_blocks(self, request: Request, num_tokens: int) -> None: ...

@@ -225,12 +225,15 @@ class MambaManager(MambaReleaseMixin, ColumnsMixin, MambaChunkMixin, FusedStepMi
             if pos != (slot + 1) * bs or not self.enable_caching:
                 continue  # settled off its boundary (or no caching): nothing to publish
             if keys is None:
-                keys = group_block_hashes(request, bs)
+                keys = request.block_hashes if request.hash_block_size == bs else group_block_hashes(request, bs)
             if slot >= len(keys):
                 continue
-            fields = (stored_event_fields(request, keys, slot, slot + 1, bs)
-                      if self.block_pool.enable_kv_cache_events else {})
-            self.block_pool.cache_state_blocks([col[slot] for col in t.columns], keys[slot], self._column_ids, **fields)
+            states = [col[slot] for col in t.columns]
+            if self.block_pool.enable_kv_cache_events:
+                self.block_pool.cache_state_blocks(states, keys[slot], self._column_ids,
+                                                   **stored_event_fields(request, keys, slot, slot + 1, bs))
+            else:
+                self.block_pool.cache_state_blocks(states, keys[slot], self._column_ids)
             if t.in_decode:  # latest: a decode step without drafts ended exactly on the boundary
                 self._note_checkpoint(t, [col[slot] for col in t.columns], keys[slot])
 

@@ -20,11 +20,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mambakv.core.block import KVCacheBlock
+from mambakv.core.pool_fused import cache_then_free
 from mambakv.core.request import Request
 from mambakv.groups.drafts import MambaTable
 from mambakv.groups.mamba_queries import QueriesMixin
 from mambakv.groups.mamba_steps import AlignStep
-from mambakv.groups.tables import BlockTable
+from mambakv.groups.tables import BlockTable, group_block_hashes
 
 __all__ = ["MAMBA_CHUNK_STEPS", "MambaChunkMixin"]
 
@@ -33,16 +34,19 @@ _GROW = AlignStep.GROW
 #: the general path's steps the Mamba chunk path stands in for (a subclass changing one opts out)
 MAMBA_CHUNK_STEPS = ("get_num_blocks_to_allocate", "count_columns", "allocate_new_blocks", "allocate_columns",
                      "_align_columns", "_grow", "_record_step", "_list_step_writes", "plan_checkpoint_write",
-                     "dead_slots", "_dead_slots", "settle", "next_event")
+                     "dead_slots", "_dead_slots", "settle", "next_event", "thresholds", "cache_blocks",
+                     "publish_settled", "retire_slots")
 
 
 class MambaChunkMixin(QueriesMixin):
     """The Mamba half of the chunk path (see the module docstring)."""
 
     _list_writes: bool
+    _column_ids: tuple[int, ...]
 
     if TYPE_CHECKING:  # MambaManager's
         def publish_settled(self, request: Request, t: MambaTable, num_tokens: int) -> None: ...
+
 
     def chunk_need(self, table: BlockTable, num_tokens: int, num_lookahead_tokens: int) -> int:
         """One block per column for a GROW chunk (lookahead never adds Mamba blocks), else -1."""
@@ -55,31 +59,28 @@ class MambaChunkMixin(QueriesMixin):
             return len(t.columns)
         return -1
 
-    def grow_chunk(self, request_id: str, table: BlockTable, num_tokens: int,
-                   num_lookahead_tokens: int) -> list[list[KVCacheBlock]]:
+    def grow_chunk(self, request: Request, table: BlockTable, num_tokens: int, num_lookahead_tokens: int,
+                   num_real: int) -> list[list[KVCacheBlock]]:
         """Commit the GROW chunk ``chunk_need`` counted (see the module docstring)."""
         t: MambaTable = table  # type: ignore[assignment]
         bs = self.block_size
         source = t.running_slot
         running = -(num_tokens // -bs) - 1
-        null = self.null_block
-        lo = source + 1  # scratch slots [lo, hi) now lie below the running slot: they move to the end
-        hi = min(running, lo + self.num_speculative_blocks)
-        nulls = [null] * (hi - lo)
-        pad = running - len(t.blocks)  # a jump past the scratch blocks: null up to the running slot
+        lo = source + 1  # the scratch blocks [lo, lo + nspec) ...
+        k = min(running - lo, self.num_speculative_blocks)  # ... of which the first k now lie below the running slot
+        gap = [self.null_block] * (running - lo)  # null from lo up to the running slot
         new = self.block_pool.get_new_blocks(len(t.columns))
+        list_writes = self._list_writes
+        rid = request.request_id
         out = []
         for col, m, block in zip(t.columns, self._column_managers, new):
-            if pad > 0:
-                col += [null] * pad
-            moved = col[lo:hi]
-            col[lo:hi] = nulls
-            col += moved
+            scratch = col[lo:]
+            col[lo:] = gap + scratch[k:] + scratch[:k]  # the first k move to the end, past the gap
             col.append(block)
             block_id = col[running].block_id
             m._copy_plan.append((col[source].block_id, block_id))
-            if self._list_writes:
-                m._writes.append((request_id, block_id, num_tokens))
+            if list_writes:
+                m._writes.append((rid, block_id, num_tokens))
             out.append([block])
         t.running_slot = running  # _record_step: no drafts, none pending
         t.num_tokens = num_tokens
@@ -98,18 +99,43 @@ class MambaChunkMixin(QueriesMixin):
             return False
         return not 0 <= t.running_slot < (num_processed_tokens - 1) // self.block_size
 
-    def retire_chunk(self, request: Request, table: BlockTable, num_processed_tokens: int) -> int:
-        """Publish the settled boundary states, retire the skipped slots; returns the next event."""
+    def retire_chunk(self, request: Request, table: BlockTable, num_processed_tokens: int) -> tuple[int, bool]:
+        """Publish the settled boundary states, retire the skipped slots (``cache_blocks`` +
+        ``retire_slots``; one pool pass, ``cache_then_free``, for a chunk's one tag). Returns
+        the next event and False: in a chunk's state the thresholds follow the running slot and
+        the verify state, which a retire never moves."""
         t: MambaTable = table  # type: ignore[assignment]
+        bs = self.block_size
         positions = t.positions
-        if positions:
+        states: list[KVCacheBlock] = []
+        key = None
+        settled = [s for s, p in positions.items() if p <= num_processed_tokens] if positions else positions
+        if len(settled) == 1 and self.enable_caching and not self.block_pool.enable_kv_cache_events:
+            slot = settled[0]  # the chunk's one settled tag: publish it below, in the same pool pass as the free
+            pos = positions.pop(slot)
+            keys = request.block_hashes if request.hash_block_size == bs else group_block_hashes(request, bs)
+            if pos == (slot + 1) * bs and slot < len(keys):
+                states, key = [col[slot] for col in t.columns], keys[slot]
+        elif settled:
             self.publish_settled(request, t, num_processed_tokens)
-        num_slots = (num_processed_tokens - 1) // self.block_size  # only the last state matters
-        if num_slots > t.retired_below:
-            self.retire_slots(t, num_slots)
-        nxt = (t.retired_below + 1) * self.block_size + 1
+        num_slots = (num_processed_tokens - 1) // bs  # only the last state matters
+        low = t.retired_below
+        stop = min(num_slots, len(t.blocks))
+        freed: list[KVCacheBlock] = []
+        if stop > low:  # retired_blocks, inlined: column 0's real slots, deepest first, in every column
+            blocks, null = t.blocks, self.null_block
+            real = [i for i in range(stop - 1, low - 1, -1) if blocks[i] is not null]
+            freed = [col[i] for col in t.columns for i in real] if real else freed
+        if key is not None or freed:
+            cache_then_free(self.block_pool, states, key, self._column_ids, freed)
+        if stop > low:  # null_retired, inlined
+            nulls = [self.null_block] * (stop - low)
+            for col in t.columns:
+                col[low:stop] = nulls
+            t.retired_below = stop
+        nxt = (t.retired_below + 1) * bs + 1
         if positions:
             low = min(positions.values())
             if low < nxt:
-                return low
-        return nxt
+                return low, False
+        return nxt, False
