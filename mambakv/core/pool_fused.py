@@ -89,12 +89,13 @@ def get_then_cache(pool: BlockPool, num_blocks: int, block_hashes: Sequence[byte
     new = pool.free_block_queue.popleft_n(num_blocks)
     pm = pool.prefix_map
     for block in new:
-        block.ref_cnt = 1
-        if block.block_hash is not None:  # evicted (a fresh pool: never)
+        if block.block_hash is not None:  # evicted before any is published, as get_new_blocks does
             pm.remove(block)
     m = pm.maps.get(group_id)
     if m is None:
         m = pm.maps[group_id] = {}
+    for block in new:
+        block.ref_cnt = 1
     map_blocks(m, new, block_hashes, group_id)  # zip stops at the hashes: the partial block stays unhashed
     return new
 

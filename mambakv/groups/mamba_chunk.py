@@ -73,9 +73,13 @@ class MambaChunkMixin(QueriesMixin):
         list_writes = self._list_writes
         rid = request.request_id
         out = []
+        jump = k == self.num_speculative_blocks  # every scratch block moves: the gap goes in before them
         for col, m, block in zip(t.columns, self._column_managers, new):
-            scratch = col[lo:]
-            col[lo:] = gap + scratch[k:] + scratch[:k]  # the first k move to the end, past the gap
+            if jump:
+                col[lo:lo] = gap
+            else:
+                scratch = col[lo:]
+                col[lo:] = gap + scratch[k:] + scratch[:k]  # the first k move to the end, past the gap
             col.append(block)
             block_id = col[running].block_id
             m._copy_plan.append((col[source].block_id, block_id))
