@@ -49,20 +49,20 @@ class RequestState:
         """Recompute the allocation thresholds from the tables (after a slow step); with
         `active`, only those policies' (the others' tables did not change)."""
         per = self.thresholds
-        i = 0
+        covered = quiet = 1 << 62
+        most = i = 0
         for m, t in zip(managers, self.tables):
             if active is None or active[i]:
-                per[i] = m.thresholds(t)
+                c, q = per[i] = m.thresholds(t)
+            else:
+                c, q = per[i]
             i += 1
-        covered = quiet = 1 << 62
-        most = 0
-        for c, q in per:
             if c < covered:
                 covered = c
             if q < quiet:
                 quiet = q
             if q > most and c > most:
-                most = min(c, q)
+                most = c if c < q else q
         self.num_covered, self.quiet_tokens, self.quiet_max = covered, quiet, most
 
     def active_policies(self, num_tokens: int, num_lookahead_tokens: int) -> list[bool] | None:

@@ -123,7 +123,8 @@ class SingleTypeKVCacheManager(ReleaseMixin, ChunkMixin, ABC):
         covered = len(table.blocks) * self.block_size
         if not self.enable_caching:
             return covered, covered
-        return covered, min(covered, (table.num_cached_blocks + 1) * self.block_size - 1)
+        quiet = (table.num_cached_blocks + 1) * self.block_size - 1
+        return covered, quiet if quiet < covered else covered
 
     def quiet_tokens(self, table: BlockTable) -> int:
         """The `quiet` half of ``thresholds``."""

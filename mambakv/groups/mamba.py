@@ -243,10 +243,11 @@ class MambaManager(MambaReleaseMixin, ColumnsMixin, MambaChunkMixin, FusedStepMi
         the start of the oldest step waiting for ``accept_drafts`` (retiring past it raises)."""
         t: MambaTable = table  # type: ignore[assignment]
         nxt = (t.retired_below + 1) * self.block_size + 1 if self._align else NEVER
-        if t.positions:
-            nxt = min(nxt, min(t.positions.values()))
-        if t.verified:
-            nxt = min(nxt, t.verified[0][0])
+        for pos in t.positions.values():
+            if pos < nxt:
+                nxt = pos
+        if t.verified and t.verified[0][0] < nxt:
+            nxt = t.verified[0][0]
         if t.verify_steps:
             _, tokens, drafts = t.verify_steps[0]
             nxt = min(nxt, tokens - drafts)

@@ -138,8 +138,7 @@ class MambaChunkMixin(QueriesMixin):
                 col[low:stop] = nulls
             t.retired_below = stop
         nxt = (t.retired_below + 1) * bs + 1
-        if positions:
-            low = min(positions.values())
-            if low < nxt:
-                return low, False
+        for pos in positions.values():
+            if pos < nxt:
+                nxt = pos
         return nxt, False
