@@ -108,16 +108,16 @@ def cache_then_free(pool: BlockPool, states: Sequence[KVCacheBlock], block_hash:
     chunk's retire has); otherwise the two calls, which raise as documented there.
 
     Raises: as the two calls."""
+    # (Both lists come from the caller's own tables, whose blocks are this pool's: no pool check.)
     plain = _plain(pool) and (len(freed) < 2 or len(set(freed)) == len(freed))
     if plain:
-        pid = pool.pool_id
         for b in freed:
-            if b.ref_cnt < 1 or b.pool_id != pid or b.is_null:
+            if b.ref_cnt < 1:  # an earlier misuse freed it: the two calls raise DoubleFreeError
                 plain = False
                 break
         if block_hash is not None:
             for b in states:
-                if b.block_hash is not None or b.ref_cnt < 1 or b.pool_id != pid:
+                if b.block_hash is not None or b.ref_cnt < 1:
                     plain = False
                     break
     if not plain:

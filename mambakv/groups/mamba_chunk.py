@@ -126,16 +126,19 @@ class MambaChunkMixin(QueriesMixin):
         low = t.retired_below
         stop = min(num_slots, len(t.blocks))
         freed: list[KVCacheBlock] = []
-        if stop > low:  # retired_blocks, inlined: column 0's real slots, deepest first, in every column
-            blocks, null = t.blocks, self.null_block
+        real: list[int] = []
+        null = self.null_block
+        if stop > low:  # column 0's real slots, deepest first, in every column: as retire_slots frees them
+            blocks = t.blocks
             real = [i for i in range(stop - 1, low - 1, -1) if blocks[i] is not null]
-            freed = [col[i] for col in t.columns for i in real] if real else freed
+            if real:
+                freed = [col[i] for col in t.columns for i in real]
         if key is not None or freed:
             cache_then_free(self.block_pool, states, key, self._column_ids, freed)
-        if stop > low:  # null_retired, inlined
-            nulls = [self.null_block] * (stop - low)
+        if stop > low:  # the rest of the span is null already (pads, moved scratch): null the freed slots
             for col in t.columns:
-                col[low:stop] = nulls
+                for i in real:
+                    col[i] = null
             t.retired_below = stop
         nxt = (t.retired_below + 1) * bs + 1
         for pos in positions.values():
