@@ -84,10 +84,12 @@ def random_prompt(n: int, seed: int = 0) -> list[int]:
     return [rng.randrange(VOCAB) for _ in range(n)]
 
 
-def hybrid_prefill(coord: KVCacheCoordinator, prompt, in_flight: int, budget: int = BUDGET) -> dict:
+def hybrid_prefill(coord: KVCacheCoordinator, prompt, in_flight: int, budget: int = BUDGET, *,
+                   retire_in_allocate: bool = False) -> dict:
     """One prefill through the coordinator as an engine drives it: chunks aligned to the
-    block size, retire with processed tokens lagging by `in_flight` steps. Hashing (building
-    the Request and its block hashes) is timed apart from the scheduling calls."""
+    block size, retire with processed tokens lagging by `in_flight` steps (``retire`` then
+    ``allocate``, or with `retire_in_allocate` one ``allocate(..., num_processed_tokens=)``).
+    Hashing (building the Request and its block hashes) is timed apart from the scheduling calls."""
     t0 = time.perf_counter()
     req = Request("prefill", prompt)
     req.set_hash_block_size(coord.hash_block_size)
@@ -105,7 +107,7 @@ def hybrid_prefill(coord: KVCacheCoordinator, prompt, in_flight: int, budget: in
             processed = pending.popleft()
         t0 = time.perf_counter()
         coord.new_step()
-        if processed:
+        if processed and not retire_in_allocate:
             coord.retire("prefill", processed)
         computed = req.num_computed_tokens
         n = min(budget, P - computed)
@@ -117,6 +119,8 @@ def hybrid_prefill(coord: KVCacheCoordinator, prompt, in_flight: int, budget: in
         if steps == 0:
             blocks, hit = coord.get_computed_blocks(req)
             out = coord.allocate(req, n - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks, num_draft_tokens=0)
+        elif retire_in_allocate:
+            out = coord.allocate(req, n, num_draft_tokens=0, num_processed_tokens=processed)
         else:
             out = coord.allocate(req, n, num_draft_tokens=0)
         coord.take_copy_plan()

@@ -165,7 +165,7 @@ class KVCacheCoordinator(CoordinatorChunks, CoordinatorHost, CoordinatorResults,
     def allocate(self, request: Request, num_new_tokens: int, *, num_new_computed_tokens: int = 0,
                  new_computed_blocks: KVCacheBlocks | None = None,
                  num_lookahead_tokens: int = 0, num_draft_tokens: int | None = None,
-                 now: float | None = None) -> KVCacheBlocks | None:
+                 now: float | None = None, num_processed_tokens: int | None = None) -> KVCacheBlocks | None:
         """Make every group's table cover ``computed + num_new_tokens`` tokens.
 
         ``computed = request.num_computed_tokens + num_new_computed_tokens``; the step's main
@@ -178,7 +178,10 @@ class KVCacheCoordinator(CoordinatorChunks, CoordinatorHost, CoordinatorResults,
         the drafter's next proposals (never Mamba blocks); it is capped at ``max_model_len``.
         `now` (keyword, seconds on any monotonic clock of the engine's): the time of the step,
         which the decoupled layout's eviction ages units by (None: the latest ``now`` given); it
-        is set once every check passed, even when the pool is short.
+        is set once every check passed, even when the pool is short. `num_processed_tokens`
+        (keyword): the running request's settled tokens, to retire in the same call: the same
+        as ``retire(request.request_id, n)`` just before, once this call's own checks passed
+        (the retire stands when the pool is short or a group refuses the step); None: no retire.
 
         Returns the newly allocated blocks per group (a shared empty result when no group got a
         block: do not mutate it), or None when the pool cannot supply them (hit blocks still in
@@ -192,6 +195,8 @@ class KVCacheCoordinator(CoordinatorChunks, CoordinatorHost, CoordinatorResults,
                 that group).
             StaleCacheHitError: a hit block was evicted and reused since ``get_computed_blocks``.
             HashBlockSizeMismatchError: the request hashes with another block size.
+            InvalidDraftCountError / InvalidTokenCountError from the retire of
+                `num_processed_tokens` (see ``retire``).
         """
         if not (type(num_new_tokens) is int and num_new_tokens > 0  # plain ints skip the slow path
                 and type(num_new_computed_tokens) is int and num_new_computed_tokens >= 0
@@ -223,6 +228,13 @@ class KVCacheCoordinator(CoordinatorChunks, CoordinatorHost, CoordinatorResults,
             num_drafts = checked_draft_count(num_draft_tokens, num_new_tokens)  # raises
         if num_tokens + num_lookahead_tokens > self.max_model_len:  # lookahead is capped, never refused
             num_lookahead_tokens = self.max_model_len - num_tokens
+        if num_processed_tokens is not None:  # retire(rid, n) first, inline for a plain count
+            n = num_processed_tokens
+            if live is not None and type(n) is int and 0 < n <= live.num_scheduled and n <= request.num_tokens:
+                if n >= live.retire_quiet:
+                    self._retire_live(live, n)
+            else:
+                self.retire(rid, n)  # 0 or a new request: nothing to do; else it raises (nothing changed)
         if now is not None:  # every check passed: the clock moves
             self.now = now
         # The quiet step: no group needs a block, publishes or records anything.
@@ -325,12 +337,7 @@ class KVCacheCoordinator(CoordinatorChunks, CoordinatorHost, CoordinatorResults,
                 if active is None or a in policies:
                     a.cache_blocks(request, num_real)
         live.refresh(self.policies, active)
-        quiet = 1 << 62  # this step may have tagged a state: the next retire event moves
-        for p, t in zip(self.policies, live.tables):
-            nxt = p.next_event(t)
-            if nxt < quiet:
-                quiet = nxt
-        live.retire_quiet = quiet
+        live.set_events(self.policies)  # this step may have tagged a state: the next retire event moves
         if any_new and self.mamba_managers:
             self._copies_pending = self._zeros_pending = True
         if self.units is not None:

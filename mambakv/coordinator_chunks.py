@@ -73,12 +73,7 @@ class CoordinatorChunks:
             for a in self._attention:  # with events, publication waits for every policy's blocks
                 a.cache_blocks(request, num_real)
         live.refresh(policies)
-        quiet = NEVER
-        for p, t in zip(policies, tables):
-            nxt = p.next_event(t)
-            if nxt < quiet:
-                quiet = nxt
-        live.retire_quiet = quiet
+        live.set_events(policies)
         if not any(per_column):
             return self._empty_blocks
         if self.mamba_managers:  # a chunk plans no zeros: every Mamba column copies its last state
@@ -90,18 +85,23 @@ class CoordinatorChunks:
     def _retire_chunk(self, live: RequestState, num_processed_tokens: int) -> bool:
         """``retire`` of a request whose every policy is in a chunk's state (its checks
         passed): publish, retire, recount; False (nothing changed) for the general path."""
-        policies, tables = self.policies, live.tables
-        for p, t in zip(policies, tables):
-            if not p.chunk_retire_ok(t, num_processed_tokens):
+        policies, tables, events = self.policies, live.tables, live.events
+        for p, t, e in zip(policies, tables, events):  # a policy below its own next event has nothing to do
+            if e <= num_processed_tokens and not p.chunk_retire_ok(t, num_processed_tokens):
                 return False
         request = live.request
         quiet = NEVER
         moved = False
+        i = 0
         for p, t in zip(policies, tables):
-            nxt, m = p.retire_chunk(request, t, num_processed_tokens)
-            if nxt < quiet:
-                quiet = nxt
-            moved = moved or m
+            e = events[i]
+            if e <= num_processed_tokens:
+                e, m = p.retire_chunk(request, t, num_processed_tokens)
+                events[i] = e
+                moved = moved or m
+            if e < quiet:
+                quiet = e
+            i += 1
         live.retire_quiet = quiet
         if moved:  # a publication or a retirement moved some policy's thresholds: recount
             live.refresh(policies)

@@ -75,24 +75,25 @@ class CoordinatorResults:
             raise InvalidTokenCountError(
                 f"request {request_id!r} has {request.num_tokens} tokens, {live.num_scheduled} "
                 f"scheduled: cannot have processed {num_processed_tokens}")
-        if num_processed_tokens < live.retire_quiet:
-            return
+        if num_processed_tokens >= live.retire_quiet:
+            self._retire_live(live, num_processed_tokens)
+
+    def _retire_live(self, live: RequestState, num_processed_tokens: int) -> None:
+        """``retire``'s work once its count checks passed and the count reached the request's
+        next event: the chunk path, else every group checked, then published, then retired."""
         if self.arena is None and self._retire_chunk(live, num_processed_tokens):
             return  # every policy in a prefill chunk's state: the fused path
+        request = live.request
         policies, tables = self.policies, live.tables
         dead = [m.dead_slots(t, num_processed_tokens) for m, t in zip(policies, tables)]  # raises first
         if self.enable_caching:  # publish, then retire: a state published and retired lands cached
             for m in policies:
                 m.cache_blocks(request, num_processed_tokens)
-        quiet = 1 << 62
         for m, t, num_dead in zip(policies, tables, dead):
             if num_dead > t.retired_below:
                 m.retire_slots(t, num_dead)
             m.settle(t, num_processed_tokens)
-            nxt = m.next_event(t)
-            if nxt < quiet:
-                quiet = nxt
-        live.retire_quiet = quiet
+        live.set_events(policies)
         live.refresh(policies)  # publishing or retiring moves the allocation thresholds: recount now
         if self.units is not None:  # a decode checkpoint may have taken a cached block
             self.units.settle()
@@ -112,7 +113,7 @@ class CoordinatorResults:
                     out[gid] = pairs
         live = self._live.get(request_id)
         if live is not None:  # the verify moved states: the next allocate / retire recount
-            live.retire_quiet = 0
+            live.forget_events()
             live.refresh(self.policies)
         if self.units is not None:
             self.units.settle()

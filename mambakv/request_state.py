@@ -10,6 +10,8 @@ step O(1)::
                     nothing but counts (0: recompute)
     retire_quiet    below this processed count no group       retire: no per-group call
                     publishes, retires or raises (0: recompute)
+    events          per policy, its own next event (the       retire: a policy below its
+                    minimum is retire_quiet; 0: recompute)    own is skipped
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ __all__ = ["RequestState", "check_computed", "checked_draft_count", "describe"]
 class RequestState:
     """A request that holds blocks (see the module docstring)."""
 
-    __slots__ = ("request", "tables", "num_scheduled", "num_covered", "quiet_tokens", "retire_quiet", "thresholds",
+    __slots__ = ("request", "tables", "num_scheduled", "num_covered", "quiet_tokens", "retire_quiet", "events", "thresholds",
                  "quiet_max", "arrival", "parent")
 
     def __init__(self, request: Request, tables: tuple[BlockTable, ...], num_scheduled: int) -> None:
@@ -36,6 +38,7 @@ class RequestState:
         self.num_covered = 0
         self.quiet_tokens = 0
         self.retire_quiet = 0
+        self.events = [0] * len(tables)
         #: per policy, its own ``(covered, quiet)`` (the two thresholds above are their minima)
         self.thresholds: list[tuple[int, int]] = [(0, 0)] * len(tables)
         #: the largest ``min(covered, quiet)`` of any policy: a step beyond it leaves none quiet
@@ -64,6 +67,23 @@ class RequestState:
             if q > most and c > most:
                 most = c if c < q else q
         self.num_covered, self.quiet_tokens, self.quiet_max = covered, quiet, most
+
+    def set_events(self, managers: tuple[SingleTypeKVCacheManager, ...]) -> None:
+        """Recompute every policy's next event (``next_event``) and their minimum, ``retire_quiet``."""
+        events = self.events
+        quiet = 1 << 62
+        i = 0
+        for m, t in zip(managers, self.tables):
+            e = events[i] = m.next_event(t)
+            if e < quiet:
+                quiet = e
+            i += 1
+        self.retire_quiet = quiet
+
+    def forget_events(self) -> None:
+        """The tables changed outside a recount (a verify): the next retire asks every policy."""
+        self.retire_quiet = 0
+        self.events = [0] * len(self.tables)
 
     def active_policies(self, num_tokens: int, num_lookahead_tokens: int) -> list[bool] | None:
         """For a running step without hits or drafts: per policy, whether it has anything to

@@ -43,9 +43,11 @@ def state(coord: KVCacheCoordinator) -> tuple:
     return snapshot(coord, rids), [coord.describe(r) for r in rids], coord.prefix_cache_stats.hits
 
 
-def drive(coord: KVCacheCoordinator, seed: int, steps: int = 120) -> list:
+def drive(coord: KVCacheCoordinator, seed: int, steps: int = 120, *, retire_in_allocate: bool = False) -> list:
     """A random engine: admissions with hits, prefill chunks (aligned or not, lookahead),
-    decode steps with drafts and their verify, lagged retires, frees. Returns every result."""
+    decode steps with drafts and their verify, lagged retires, frees. Returns every result.
+    Some steps retire first: by ``retire`` then ``allocate``, or with `retire_in_allocate` by
+    ``allocate(..., num_processed_tokens=)``, which must come to the same."""
     rng = random.Random(seed)
     out: list = []
     reqs: dict[str, Request] = {}
@@ -83,15 +85,24 @@ def drive(coord: KVCacheCoordinator, seed: int, steps: int = 120) -> list:
                 computed = req.num_computed_tokens
                 left = req.num_prompt_tokens - computed
                 la = rng.choice([0, 0, 0, 2, 5])
+                kw: dict = {}
+                if rng.random() < 0.4:  # retire an older step's count with this step
+                    counts = done[rid]
+                    k = rng.randrange(len(counts))
+                    if retire_in_allocate:
+                        kw["num_processed_tokens"] = counts[k]
+                    else:
+                        coord.retire(rid, counts[k])
+                    del counts[:k]
                 if left > 0:
                     n = min(left, rng.choice([bs, 2 * bs, 3 * bs, 7 * bs, rng.randrange(1, 3 * bs)]))
-                    res = coord.allocate(req, n, num_draft_tokens=0, num_lookahead_tokens=la)
+                    res = coord.allocate(req, n, num_draft_tokens=0, num_lookahead_tokens=la, **kw)
                     drafts = 0
                 else:
                     if computed >= req.num_tokens:
                         req.append_output_token_ids([rng.randrange(7000, 8000)])
                     drafts = rng.randrange(nspec + 1) if rng.random() < 0.5 else 0
-                    res = coord.allocate(req, 1 + drafts, num_draft_tokens=drafts, num_lookahead_tokens=la)
+                    res = coord.allocate(req, 1 + drafts, num_draft_tokens=drafts, num_lookahead_tokens=la, **kw)
                     n = 1 + drafts
                 out.append(("step", n, drafts, None if res is None else res.get_block_ids()))
                 if res is not None:
@@ -137,6 +148,33 @@ def test_chunk_path_matches_general_path(name: str) -> None:
             assert a == b, f"{name} seed {seed}: record {k} differs"
 
 
+@pytest.mark.parametrize("name", ["hybrid", "sliding+mamba", "latest", "mamba-only"])
+def test_retire_in_allocate_matches_retire_then_allocate(name: str) -> None:
+    for seed in range(12):
+        assert drive(build(name, True), seed, retire_in_allocate=True) == drive(build(name, True), seed)
+
+
+def test_retire_in_allocate_checks() -> None:
+    """``allocate(..., num_processed_tokens=n)`` refuses what ``retire`` refuses (nothing
+    changed, the clock included), and is a no-op retire for 0 and for a new request."""
+    coord = build("hybrid", True)
+    req = Request("k", list(range(64)))
+    assert coord.allocate(req, 32, num_draft_tokens=0, num_processed_tokens=0) is not None  # new: no retire
+    req.num_computed_tokens = 32
+    before = state(coord)
+    for bad in (33, -1, "3"):  # 33 > the 32 scheduled tokens
+        with pytest.raises(MambaKVError):
+            coord.allocate(req, 16, num_draft_tokens=0, num_processed_tokens=bad, now=5.0)
+        assert state(coord) == before and coord.now == 0.0
+    assert coord.allocate(req, 16, num_draft_tokens=0, num_processed_tokens=32) is not None
+    # Block 16: the first chunk (32 tokens) kept its state in slot 1 (slot 0 null). Retiring 32
+    # publishes it and moves the watermark to 1; the chunk to 48 tags its running slot 2.
+    view = coord.describe("k")
+    assert view is not None
+    assert view.tables[1].retired_below == 1 and view.tables[1].positions == ((2, 48),)
+    assert coord.block_pool.get_cached_block(req.block_hashes[1], [1, 2, 3]) is not None
+
+
 def test_chunk_path_with_events_and_eagle() -> None:
     for seed in range(8):
         for kw in ({"enable_kv_cache_events": True}, {"use_eagle": True}):
@@ -150,7 +188,10 @@ def test_long_prefill_takes_the_chunk_path() -> None:
     """Hand count: block 16, 2 speculative blocks, chunks of 64 tokens. The first chunk is the
     admission (general path); each later chunk is a chunk step for both policies (the attention
     table grows by 4 blocks, each Mamba column by one), so 9 later chunks of a 640-token prompt
-    make 9 grow_chunk calls per policy; each retire after the first chunk is a chunk retire."""
+    make 9 grow_chunk calls per policy. Each of the 9 retires is a chunk retire of the Mamba
+    policy only: the attention table published every full block at allocation, so its next
+    event (the next block boundary, 16 tokens past the scheduled ones) lies beyond every
+    processed count and the retire skips it."""
     coord = build("hybrid", True)
     calls = {"grow": 0, "retire": 0}
     for p in coord.policies:
@@ -172,7 +213,7 @@ def test_long_prefill_takes_the_chunk_path() -> None:
         assert coord.allocate(req, end - req.num_computed_tokens, num_draft_tokens=0) is not None
         req.num_computed_tokens = end
         coord.check_invariants()
-    assert calls == {"grow": 2 * 9, "retire": 2 * 9}
+    assert calls == {"grow": 2 * 9, "retire": 9}
     view = coord.describe("long")
     assert view is not None
     attention, mamba = view.tables[0], view.tables[1]
