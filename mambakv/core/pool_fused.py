@@ -88,15 +88,29 @@ def get_then_cache(pool: BlockPool, num_blocks: int, block_hashes: Sequence[byte
         return new
     new = pool.free_block_queue.popleft_n(num_blocks)
     pm = pool.prefix_map
-    for block in new:
-        if block.block_hash is not None:  # evicted before any is published, as get_new_blocks does
-            pm.remove(block)
     m = pm.maps.get(group_id)
     if m is None:
         m = pm.maps[group_id] = {}
-    for block in new:
+    if not m.keys().isdisjoint(block_hashes):  # a hash the group has: evict all first, then map (the two calls' order)
+        for block in new:
+            block.ref_cnt = 1
+            if block.block_hash is not None:
+                pm.remove(block)
+        map_blocks(m, new, block_hashes, group_id)
+        return new
+    # Hashes new to the group (a chain never repeats one): no eviction below touches them, so
+    # each block is evicted and published in one pass, and the map gains them in one update.
+    for block, block_hash in zip(new, block_hashes):
         block.ref_cnt = 1
-    map_blocks(m, new, block_hashes, group_id)  # zip stops at the hashes: the partial block stays unhashed
+        if block.block_hash is not None:
+            pm.remove(block)
+        block.block_hash = block_hash
+        block.cache_group_id = group_id
+    m.update(zip(block_hashes, new))
+    for block in new[len(block_hashes):]:  # the partial block a chunk may end in stays unhashed
+        block.ref_cnt = 1
+        if block.block_hash is not None:
+            pm.remove(block)
     return new
 
 
