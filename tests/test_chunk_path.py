@@ -238,3 +238,23 @@ def test_a_verify_pending_takes_the_general_path_and_raises() -> None:
     with pytest.raises(InvalidDraftCountError):
         coord.retire("d", 41)
     assert state(coord) == before
+
+
+def test_the_lockstep_comparison_has_teeth() -> None:
+    """A chunk path that forgets to tag the boundary state it grows into (so the state is never
+    published) must make the lockstep comparison fail."""
+    def planted(coord: KVCacheCoordinator) -> KVCacheCoordinator:
+        for p in coord.mamba_managers:
+            if p.chunks:
+                grow = p.grow_chunk
+
+                def forgetful(request, table, *a, _grow=grow, **k):
+                    out = _grow(request, table, *a, **k)
+                    table.positions.clear()
+                    return out
+
+                p.grow_chunk = forgetful  # type: ignore[method-assign]
+        return coord
+
+    for seed in range(6):
+        assert drive(planted(build("hybrid", True)), seed) != drive(build("hybrid", False), seed)

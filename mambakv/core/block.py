@@ -89,6 +89,18 @@ class FreeBlockQueue:
         return block
 
     @property
+    def head(self) -> KVCacheBlock:
+        """The head sentinel (block id -1): ``head.next_free_block`` is the block reused first
+        (for the pool's fused walks, ``mambakv.core.pool_fused``)."""
+        return self._head
+
+    @property
+    def tail(self) -> KVCacheBlock:
+        """The tail sentinel (block id -1): ``tail.prev_free_block`` is the block reused last
+        (None-free links; for the pool's fused requeue, ``mambakv.core.pool_fused``)."""
+        return self._tail
+
+    @property
     def sentinels(self) -> tuple[KVCacheBlock, KVCacheBlock]:
         """``(head, tail)``: the two sentinel nodes (block id -1) the queue is linked between;
         read-only, for invariant checks and tests (they are never in the queue's count)."""

@@ -25,6 +25,7 @@ that notes requeued blocks, a teeth test's planted rule), makes the two calls.""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
@@ -86,12 +87,12 @@ def get_then_cache(pool: BlockPool, num_blocks: int, block_hashes: Sequence[byte
         if block_hashes:
             pool.cache_full_blocks(new[: len(block_hashes)], block_hashes, group_id)
         return new
-    new = pool.free_block_queue.popleft_n(num_blocks)
     pm = pool.prefix_map
     m = pm.maps.get(group_id)
     if m is None:
         m = pm.maps[group_id] = {}
     if not m.keys().isdisjoint(block_hashes):  # a hash the group has: evict all first, then map (the two calls' order)
+        new = pool.free_block_queue.popleft_n(num_blocks)
         for block in new:
             block.ref_cnt = 1
             if block.block_hash is not None:
@@ -99,18 +100,28 @@ def get_then_cache(pool: BlockPool, num_blocks: int, block_hashes: Sequence[byte
         map_blocks(m, new, block_hashes, group_id)
         return new
     # Hashes new to the group (a chain never repeats one): no eviction below touches them, so
-    # each block is evicted and published in one pass, and the map gains them in one update.
-    for block, block_hash in zip(new, block_hashes):
-        block.ref_cnt = 1
-        if block.block_hash is not None:
-            pm.remove(block)
-        block.block_hash = block_hash
-        block.cache_group_id = group_id
+    # one walk from the queue head unlinks, evicts and publishes each block (``popleft_n`` +
+    # ``get_new_blocks`` + ``cache_full_blocks``), and the map gains them in one update.
+    q = pool.free_block_queue
+    head = q.head
+    new = []
+    walk: Any = head.next_free_block  # a real block for each of the num_blocks (counted above)
+    num_hashed = len(block_hashes)
+    for i in range(num_blocks):
+        nxt = walk.next_free_block
+        walk.prev_free_block = walk.next_free_block = None
+        walk.ref_cnt = 1
+        if walk.block_hash is not None:
+            pm.remove(walk)
+        if i < num_hashed:
+            walk.block_hash = block_hashes[i]
+            walk.cache_group_id = group_id
+        new.append(walk)
+        walk = nxt
+    head.next_free_block = walk
+    walk.prev_free_block = head
+    q.num_free_blocks -= num_blocks
     m.update(zip(block_hashes, new))
-    for block in new[len(block_hashes):]:  # the partial block a chunk may end in stays unhashed
-        block.ref_cnt = 1
-        if block.block_hash is not None:
-            pm.remove(block)
     return new
 
 
@@ -128,12 +139,10 @@ def cache_then_free(pool: BlockPool, states: Sequence[KVCacheBlock], block_hash:
         for b in freed:
             if b.ref_cnt < 1:  # an earlier misuse freed it: the two calls raise DoubleFreeError
                 plain = False
-                break
         if block_hash is not None:
             for b in states:
                 if b.block_hash is not None or b.ref_cnt < 1:
                     plain = False
-                    break
     if not plain:
         if block_hash is not None:
             pool.cache_state_blocks(states, block_hash, group_ids)
@@ -143,12 +152,12 @@ def cache_then_free(pool: BlockPool, states: Sequence[KVCacheBlock], block_hash:
     if block_hash is not None:
         map_state(pool.prefix_map.maps, states, block_hash, group_ids)
     q = pool.free_block_queue
-    tail = q.sentinels[1]
+    tail = q.tail
     last = tail.prev_free_block
     unhashed: list[KVCacheBlock] = []
     for block in freed:  # free_blocks' requeue, inlined: hashed to the tail, unhashed (rare) to the head, in order
-        block.ref_cnt -= 1
-        if block.ref_cnt:
+        ref_cnt = block.ref_cnt = block.ref_cnt - 1
+        if ref_cnt:
             continue
         if block.block_hash is None:
             unhashed.append(block)

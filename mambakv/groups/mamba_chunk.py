@@ -111,17 +111,22 @@ class MambaChunkMixin(QueriesMixin):
         t: MambaTable = table  # type: ignore[assignment]
         bs = self.block_size
         positions = t.positions
+        slot = -1  # the settled tag (a chunk has one; several: the general publication)
+        several = False
+        for s, p in positions.items():
+            if p <= num_processed_tokens:
+                several = slot >= 0
+                slot = s
         states: list[KVCacheBlock] = []
         key = None
-        settled = [s for s, p in positions.items() if p <= num_processed_tokens] if positions else positions
-        if len(settled) == 1 and self.enable_caching and not self.block_pool.enable_kv_cache_events:
-            slot = settled[0]  # the chunk's one settled tag: publish it below, in the same pool pass as the free
-            pos = positions.pop(slot)
-            keys = request.block_hashes if request.hash_block_size == bs else group_block_hashes(request, bs)
-            if pos == (slot + 1) * bs and slot < len(keys):
-                states, key = [col[slot] for col in t.columns], keys[slot]
-        elif settled:
-            self.publish_settled(request, t, num_processed_tokens)
+        if slot >= 0:
+            if several or not self.enable_caching or self.block_pool.enable_kv_cache_events:
+                self.publish_settled(request, t, num_processed_tokens)
+            else:  # published below, in the same pool pass as the free
+                pos = positions.pop(slot)
+                keys = request.block_hashes if request.hash_block_size == bs else group_block_hashes(request, bs)
+                if pos == (slot + 1) * bs and slot < len(keys):
+                    states, key = [col[slot] for col in t.columns], keys[slot]
         num_slots = (num_processed_tokens - 1) // bs  # only the last state matters
         low = t.retired_below
         stop = min(num_slots, len(t.blocks))
