@@ -21,11 +21,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from mambakv.coordinator_chunks import NOT_A_CHUNK, CoordinatorChunks
 from mambakv.coordinator_host import CoordinatorHost
 from mambakv.coordinator_pools import CoordinatorPools, build_host_tier, build_pools, build_units, unit_table_managers
 from mambakv.coordinator_queries import CoordinatorQueries
 from mambakv.coordinator_results import CoordinatorResults
+from mambakv.coordinator_steps import NOT_A_CHUNK, CoordinatorSteps
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.errors import (
     HashBlockSizeMismatchError,
@@ -48,7 +48,7 @@ from mambakv.request_state import RequestState, check_computed, checked_draft_co
 __all__ = ["DEFAULT_PLACEMENT", "KVCacheCoordinator", "share_identical_policies"]
 
 
-class KVCacheCoordinator(CoordinatorChunks, CoordinatorHost, CoordinatorResults, CoordinatorQueries, CoordinatorPools):
+class KVCacheCoordinator(CoordinatorSteps, CoordinatorHost, CoordinatorResults, CoordinatorQueries, CoordinatorPools):
     """One manager per group over one BlockPool (unified) or a SuperblockArena's two pools (decoupled).
 
     Args:
@@ -251,99 +251,3 @@ class KVCacheCoordinator(CoordinatorChunks, CoordinatorHost, CoordinatorResults,
                 return out
         return self._allocate_slow(request, live, num_new_computed_tokens, new_computed_blocks, num_computed,
                                    num_tokens, num_lookahead_tokens, num_drafts)
-
-    def _allocate_slow(self, request: Request, live: RequestState | None, num_new_computed_tokens: int,
-                       new_computed_blocks: KVCacheBlocks | None, num_computed: int, num_tokens: int,
-                       num_lookahead_tokens: int, num_drafts: int) -> KVCacheBlocks | None:
-        """Checks, count, commit, publish, plan (see ``allocate``)."""
-        rid = request.request_id
-        if request.hash_block_size != self.hash_block_size:
-            request.set_hash_block_size(self.hash_block_size)
-        if self.units is not None:
-            self.units.now = self.now
-        if new_computed_blocks is None:
-            hits: Sequence[Sequence[KVCacheBlock]] = self._no_hits
-        else:
-            hits = self._hits.checked_hits(request, new_computed_blocks, num_new_computed_tokens)
-        if num_drafts > self._max_drafts:
-            for m in self.mamba_managers:  # the group whose rule it breaks raises
-                m.check_step(num_tokens, num_drafts)
-        policies, columns = self.policies, self._columns
-        if hits is self._no_hits:
-            policy_hits: Sequence[Sequence[Sequence[KVCacheBlock]]] = self._policy_no_hits
-        else:
-            policy_hits = [[hits[g] for g in cols] for cols in columns]
-        room: tuple[int, int] | None = None  # decoupled: (pages, slots) the step pops
-        # A running step without hits or drafts skips the policies it leaves quiet (a decode
-        # step that crosses an attention page is no event for a Mamba group in decode).
-        active = live.active_policies(num_tokens, num_lookahead_tokens) if (
-            live is not None and hits is self._no_hits and not num_drafts) else None
-        if active is not None:
-            policies = tuple(p for p, a in zip(policies, active) if a)
-            columns = tuple(c for c, a in zip(columns, active) if a)
-            # each active policy's own empty hit lists (one per column: a shared Mamba policy has several)
-            policy_hits = tuple(h for h, a in zip(self._policy_no_hits, active) if a)
-        # count
-        if live is None or num_tokens + num_lookahead_tokens > live.num_covered:
-            if self.arena is None:
-                need = 0
-                for p, ph in zip(policies, policy_hits):
-                    need += p.count_columns(rid, num_tokens, ph, num_computed, num_lookahead_tokens)
-                if need > self.block_pool.free_block_queue.num_free_blocks:
-                    return None
-            else:
-                room = self._room_needed(rid, num_tokens, policies, policy_hits, hits, num_computed,
-                                         num_lookahead_tokens)
-                if room is None:
-                    return None
-        # commit
-        if live is None:
-            live = self._live[rid] = RequestState(request, tuple(p.table(rid) for p in policies), num_tokens)
-            self._count_admission(request, num_new_computed_tokens)
-            if self.units is not None:
-                self._admit_to_units(live, num_computed)
-        elif live.num_scheduled < num_tokens:
-            live.num_scheduled = num_tokens
-        if hits is not self._no_hits:
-            # Pin every group's hits before any group takes a new block: new blocks come off the
-            # queue head, which may be another group's hit still in the queue (it would be
-            # evicted and end up in two tables).
-            free_before = self.block_pool.get_num_free_blocks(), self.state_block_pool.get_num_free_blocks()
-            for p, ph in zip(policies, policy_hits):
-                p.add_hits(rid, ph)
-            if room is not None:  # touched hits came off the free queues: they are not popped
-                room = (room[0] - free_before[0] + self.block_pool.get_num_free_blocks(),
-                        room[1] - free_before[1] + self.state_block_pool.get_num_free_blocks())
-        if self._loads and rid in self._loads:  # its hit is touched: a host-tier load's hold ends
-            self._release_load(rid, admitted_tokens=num_computed)
-        if room is not None:
-            self.arena.make_room(*room)  # type: ignore[union-attr]
-        new_blocks: list[list[KVCacheBlock]] = [[] for _ in self.managers]
-        any_new = False
-        for p, cols in zip(policies, columns):
-            per_column = p.allocate_columns(rid, num_tokens, num_lookahead_tokens, num_drafts, num_computed_tokens=num_computed,
-                                            decode=num_computed >= request.num_prompt_tokens)
-            if per_column[0]:
-                any_new = True
-                for gid, blocks in zip(cols, per_column):
-                    new_blocks[gid] = blocks
-        for mp in self._mamba_policies:  # optional spares last: they may only use blocks nobody counted on
-            if active is None or mp in policies:
-                mp.plan_checkpoint_write(rid)
-        # publish: attention KV is written before it is read; never blocks with drafts or placeholders
-        if self.enable_caching:
-            num_real = min(num_tokens - num_drafts, request.num_tokens)
-            for a in self._attention:
-                if active is None or a in policies:
-                    a.cache_blocks(request, num_real)
-        live.refresh(self.policies, active)
-        live.set_events(self.policies)  # this step may have tagged a state: the next retire event moves
-        if any_new and self.mamba_managers:
-            self._copies_pending = self._zeros_pending = True
-        if self.units is not None:
-            self.units.settle()
-        if not any_new:  # most decode steps need no block: one shared empty result (do not mutate it)
-            return self._empty_blocks
-        out = tuple(new_blocks)
-        self._new_results.append(out)  # ids are read only if a plan is taken
-        return KVCacheBlocks(out)

@@ -1,4 +1,4 @@
-"""The fused prefill chunk (mambakv.coordinator_chunks, groups/chunks.py, groups/mamba_chunk.py)
+"""The fused prefill chunk (mambakv.coordinator_steps, groups/chunks.py, groups/mamba_chunk.py)
 against the general path: the same random engine, run once with the chunk path and once with
 every policy's ``chunks`` turned off, must see the same results and the same state after every
 call (allocations, plans, free-queue order, every block's ref count and hash, the prefix-cache

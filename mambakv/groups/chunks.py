@@ -1,5 +1,5 @@
 """The running prefill chunk, fused: the group half of the coordinator's chunk path
-(:mod:`mambakv.coordinator_chunks`).
+(:mod:`mambakv.coordinator_steps`).
 
 The commonest slow step of a long prompt is a running request's next prefill chunk without
 drafts or hits. Each policy takes it in two calls instead of the general path's six or more::
@@ -12,7 +12,7 @@ drafts or hits. Each policy takes it in two calls instead of the general path's 
 
 A policy answers -1 / False whenever its step is anything else (drafts pending, decode, a
 subclass overriding a step of the contract), and the coordinator takes the general path; the
-two paths leave the same tables, blocks, queue order and plans (``tests/groups/test_chunks.py``
+two paths leave the same tables, blocks, queue order and plans (``tests/test_chunk_path.py``
 replays both side by side). This module holds the attention kinds' half; Mamba's is
 :mod:`mambakv.groups.mamba_chunk`.
 """
