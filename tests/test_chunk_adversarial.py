@@ -628,9 +628,10 @@ def test_map_key_order_when_a_later_policy_evicts_a_just_published_hash() -> Non
                    "(mambakv/groups/mamba_steps.py _check_writable), so the error leaves the blocks taken")
 def test_a_refused_rewrite_of_a_published_state_changes_nothing() -> None:
     """FA 16 + Mamba 16 (nspec 2): 32 tokens, retired (the state at 32 in slot 1 published).
-    The engine sets the computed count back to 20 (async rejection) and schedules 12 tokens
-    with 40 lookahead: Mamba raises InvalidTokenCountError (slot 1 is published), but FA has
-    already grown from [1 2] to [1 2 6 7 8]."""
+    The engine sets the computed count back to 20 (below the retired count: a misuse, but
+    one ``check_computed`` lets through) and schedules 12 tokens with 40 lookahead: Mamba
+    raises InvalidTokenCountError (slot 1 is published, MambaManager documents the refusal as
+    changing nothing), but FA has already grown from [1 2] to [1 2 6 7 8] and stays so."""
     for ch in (True, False):
         c = _make(60, fa_spec(16), mamba_spec(16, 2))(ch)
         req = Request("a", list(range(100)))
@@ -657,3 +658,29 @@ def test_too_many_drafts_leaves_the_clock() -> None:
         with pytest.raises(MambaKVError):
             c.allocate(req, 6, num_draft_tokens=5, now=5.0)
         assert full_state(c) == before and c.now == 0.0
+
+
+class ToggledLockstep(Lockstep):
+    """Side 0 switches its managers' ``chunks`` at random before each call (the hidden state
+    one path leaves, next events and thresholds included, must serve the other); side 1 is
+    the general path throughout."""
+
+    def __init__(self, make: Callable[[bool], KVCacheCoordinator], seed: int, **kw) -> None:
+        super().__init__(make, **kw)
+        self.rng = random.Random(seed ^ 0x5EED)
+        self.fusable = [mgr.chunks for mgr in self.a.managers]  # never switch on a manager built without
+
+    def call(self, what: str, fn: Callable[[KVCacheCoordinator, int], object]) -> object:
+        on = self.rng.random() < 0.6
+        for mgr, ok in zip(self.a.managers, self.fusable):
+            mgr.chunks = ok and on and self.rng.random() < 0.9
+        return super().call(what, fn)
+
+
+@pytest.mark.parametrize("name", ["hbs8-hybrid", "interleaved", "events", "two-mamba-specs", "pressure-sliding",
+                                  "mode-none"])
+def test_switching_paths_mid_run(name: str) -> None:
+    events = CONFIGS[name][2].get("enable_kv_cache_events", False)
+    for seed in range(3):
+        ls = ToggledLockstep(lambda ch: build(name, ch), seed, events=events)
+        engine(ls, seed, steps=120, rewind=True)
