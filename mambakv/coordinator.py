@@ -195,8 +195,12 @@ class KVCacheCoordinator(CoordinatorSteps, CoordinatorHost, CoordinatorResults, 
                 that group).
             StaleCacheHitError: a hit block was evicted and reused since ``get_computed_blocks``.
             HashBlockSizeMismatchError: the request hashes with another block size.
+            InvalidTokenCountError: a Mamba group would rewrite a published running state (the
+                engine set ``num_computed_tokens`` below a retired count).
             InvalidDraftCountError / InvalidTokenCountError from the retire of
-                `num_processed_tokens` (see ``retire``).
+                `num_processed_tokens` (see ``retire``). The retire runs once the count, draft
+                and clock checks passed; a refusal after it (a stale hit, a published state
+                to rewrite) leaves the retire done, as ``retire`` then ``allocate`` would.
         """
         if not (type(num_new_tokens) is int and num_new_tokens > 0  # plain ints skip the slow path
                 and type(num_new_computed_tokens) is int and num_new_computed_tokens >= 0
@@ -228,6 +232,9 @@ class KVCacheCoordinator(CoordinatorSteps, CoordinatorHost, CoordinatorResults, 
             num_drafts = checked_draft_count(num_draft_tokens, num_new_tokens)  # raises
         if num_tokens + num_lookahead_tokens > self.max_model_len:  # lookahead is capped, never refused
             num_lookahead_tokens = self.max_model_len - num_tokens
+        if num_drafts > self._max_drafts and new_computed_blocks is None:  # (with hits: after their check)
+            for m in self.mamba_managers:  # the group whose rule it breaks raises
+                m.check_step(num_tokens, num_drafts)
         if num_processed_tokens is not None:  # retire(rid, n) first, inline for a plain count
             n = num_processed_tokens
             if live is not None and type(n) is int and 0 < n <= live.num_scheduled and n <= request.num_tokens:
@@ -235,11 +242,11 @@ class KVCacheCoordinator(CoordinatorSteps, CoordinatorHost, CoordinatorResults, 
                     self._retire_live(live, n)
             else:
                 self.retire(rid, n)  # 0 or a new request: nothing to do; else it raises (nothing changed)
-        if now is not None:  # every check passed: the clock moves
-            self.now = now
         # The quiet step: no group needs a block, publishes or records anything.
         if (live is not None and num_drafts == 0 and num_tokens <= live.quiet_tokens
                 and num_tokens + num_lookahead_tokens <= live.num_covered):
+            if now is not None:  # every check passed: the clock moves
+                self.now = now
             if num_tokens > live.num_scheduled:
                 live.num_scheduled = num_tokens
             return self._empty_blocks
@@ -248,6 +255,8 @@ class KVCacheCoordinator(CoordinatorSteps, CoordinatorHost, CoordinatorResults, 
                 and num_computed < request.num_prompt_tokens and not (self._loads and rid in self._loads)):
             out = self._allocate_chunk(request, live, num_tokens, num_lookahead_tokens)
             if out is not NOT_A_CHUNK:
+                if now is not None:  # (the unified layout's chunk never reads the clock)
+                    self.now = now
                 return out
         return self._allocate_slow(request, live, num_new_computed_tokens, new_computed_blocks, num_computed,
-                                   num_tokens, num_lookahead_tokens, num_drafts)
+                                   num_tokens, num_lookahead_tokens, num_drafts, now)

@@ -297,6 +297,8 @@ class CoordinatorQueries(CoordinatorPools):
             if live.retire_quiet:
                 assert live.retire_quiet <= min(m.next_event(t) for m, t in zip(self.policies, live.tables)), \
                     f"{rid}: retire threshold {live.retire_quiet} above a group's next event"
+            for m, t, e in zip(self.policies, live.tables, live.events):  # a retire skips a policy below its own
+                assert e <= m.next_event(t), f"{rid}: group {m.kv_cache_group_id}'s next event {e} is stale"
         for m in self.managers:
             for rid in m.req_to_blocks:
                 assert rid in self._live, f"{rid}: table kept by group {m.kv_cache_group_id} without a request state"

@@ -93,16 +93,17 @@ class CoordinatorSteps:
             need += n
         if need > self.block_pool.free_block_queue.num_free_blocks:
             return None
-        if request.hash_block_size != self.hash_block_size:
-            request.set_hash_block_size(self.hash_block_size)
+        # (a live request's hash block size was set by its first allocate)
         if live.num_scheduled < num_tokens:
             live.num_scheduled = num_tokens
-        num_real = min(num_tokens, request.num_tokens)  # no drafts; never a placeholder
+        num_real = request.num_tokens  # no drafts; never a placeholder
+        if num_tokens < num_real:
+            num_real = num_tokens
         per_column: list[list[KVCacheBlock]] = []
         for p, t in zip(policies, tables):
             per_column += p.grow_chunk(request, t, num_tokens, num_lookahead_tokens, num_real)
-        if self.block_pool.enable_kv_cache_events and self.enable_caching:
-            for a in self._attention:  # with events, publication waits for every policy's blocks
+        if self.enable_caching:  # what grow_chunk did not publish, once every policy's blocks are taken
+            for a in self._attention:
                 a.cache_blocks(request, num_real)
         live.refresh(policies)
         live.set_events(policies)
@@ -141,20 +142,26 @@ class CoordinatorSteps:
 
     def _allocate_slow(self, request: Request, live: RequestState | None, num_new_computed_tokens: int,
                        new_computed_blocks: KVCacheBlocks | None, num_computed: int, num_tokens: int,
-                       num_lookahead_tokens: int, num_drafts: int) -> KVCacheBlocks | None:
-        """Checks, count, commit, publish, plan (see ``allocate``)."""
+                       num_lookahead_tokens: int, num_drafts: int, now: float | None) -> KVCacheBlocks | None:
+        """Checks, count, commit, publish, plan (see ``allocate``; its own checks passed)."""
         rid = request.request_id
         if request.hash_block_size != self.hash_block_size:
             request.set_hash_block_size(self.hash_block_size)
-        if self.units is not None:
-            self.units.now = self.now
         if new_computed_blocks is None:
             hits: Sequence[Sequence[KVCacheBlock]] = self._no_hits
         else:
             hits = self._hits.checked_hits(request, new_computed_blocks, num_new_computed_tokens)
-        if num_drafts > self._max_drafts:
-            for m in self.mamba_managers:  # the group whose rule it breaks raises
-                m.check_step(num_tokens, num_drafts)
+            if num_drafts > self._max_drafts:
+                for m in self.mamba_managers:  # the group whose rule it breaks raises
+                    m.check_step(num_tokens, num_drafts)
+        if live is not None:  # a group refuses to rewrite a published running state before any group commits
+            decode = num_computed >= request.num_prompt_tokens
+            for mp in self._mamba_policies:
+                mp.check_writable_step(rid, num_tokens, decode)
+        if now is not None:  # every check passed: the clock moves (even when the pool is short)
+            self.now = now
+        if self.units is not None:
+            self.units.now = self.now
         policies, columns = self.policies, self._columns
         if hits is self._no_hits:
             policy_hits: Sequence[Sequence[Sequence[KVCacheBlock]]] = self._policy_no_hits

@@ -589,18 +589,16 @@ def test_mamba_quiet_while_attention_grows() -> None:
     assert view is not None and view.tables[1].running_slot == 2 and view.tables[1].positions == ((2, 96),)
 
 
-# ------------------------------------------------------------------ divergences found
-@pytest.mark.xfail(strict=True, reason="chunk path: a policy publishes before the next policy pops, so a hash whose "
-                   "stale copy the later pop evicts keeps its key position in the raw map dict (the general path "
-                   "deletes and re-inserts it); contents, hits and events are equal")
+# ------------------------------------------------------------------ regressions (found by this file, fixed)
 def test_map_key_order_when_a_later_policy_evicts_a_just_published_hash() -> None:
     """Two FA groups (block 16), 9 blocks. A (60-token prompt) takes g0 1 2 (H0 H1), g1 3 4;
     Q takes g0 5 (Z), g1 6; A is freed: queue 7 8 9 | 2 1 4 3. B (A's prompt, no hit used)
     takes g0 7, g1 8 (H0: two copies each), then its chunk to 32: g0 pops 9 and g1 pops 2,
     which still holds H1 in group 0. The general path pops both first: 2 is evicted (group
-    0's H1 key deleted), then 9 is published (H1 re-inserted after Z). The chunk path
-    publishes 9 first (H1 -> {2, 9}) and then evicts 2 (the entry collapses to 9 in place).
-    Same contents ({H0: (1, 7), H1: 9, Z: 5}), different dict order."""
+    0's H1 key deleted), then 9 is published (H1 re-inserted after Z). The chunk path used to
+    publish 9 first (H1 -> {2, 9}) and then evict 2 (the entry collapsed to 9 in place: same
+    contents {H0: (1, 7), H1: 9, Z: 5}, another dict order); now a hash the group already has
+    is published after every group's pop, as on the general path."""
     orders = []
     contents = []
     for ch in (True, False):
@@ -623,15 +621,13 @@ def test_map_key_order_when_a_later_policy_evicts_a_just_published_hash() -> Non
     assert orders[0] == orders[1]  # chunk path: ["H0", "H1", "Z"]
 
 
-@pytest.mark.xfail(strict=True, reason="both paths: allocate commits policy by policy; the attention group pops its "
-                   "lookahead blocks before the Mamba group refuses to rewrite its published running state "
-                   "(mambakv/groups/mamba_steps.py _check_writable), so the error leaves the blocks taken")
 def test_a_refused_rewrite_of_a_published_state_changes_nothing() -> None:
     """FA 16 + Mamba 16 (nspec 2): 32 tokens, retired (the state at 32 in slot 1 published).
     The engine sets the computed count back to 20 (below the retired count: a misuse, but
     one ``check_computed`` lets through) and schedules 12 tokens with 40 lookahead: Mamba
-    raises InvalidTokenCountError (slot 1 is published, MambaManager documents the refusal as
-    changing nothing), but FA has already grown from [1 2] to [1 2 6 7 8] and stays so."""
+    raises InvalidTokenCountError (slot 1 is published). FA used to grow from [1 2] to
+    [1 2 6 7 8] first and keep the blocks; now every Mamba policy is asked
+    (``check_writable_step``) before any group commits: nothing changes."""
     for ch in (True, False):
         c = _make(60, fa_spec(16), mamba_spec(16, 2))(ch)
         req = Request("a", list(range(100)))
@@ -645,9 +641,9 @@ def test_a_refused_rewrite_of_a_published_state_changes_nothing() -> None:
         assert full_state(c) == before, c.get_block_ids("a")
 
 
-@pytest.mark.xfail(strict=True, reason="both paths: allocate sets the clock (now=) before _allocate_slow's Mamba "
-                   "check_step raises InvalidDraftCountError, which allocate documents as 'nothing changed'")
 def test_too_many_drafts_leaves_the_clock() -> None:
+    """5 drafts against 2 speculative blocks: InvalidDraftCountError, and the clock stays at 0.0
+    (it used to move to 5.0 first: the draft check ran after ``now`` was set)."""
     for ch in (True, False):
         c = _make(60, fa_spec(16), mamba_spec(16, 2))(ch)
         req = Request("a", list(range(40)))

@@ -5,8 +5,9 @@ result as the two calls (blocks, ref counts, queue order, prefix-cache map, evic
 ``free_then_get``      ``free_blocks(freed)`` then ``get_new_blocks(num_new)``: a Mamba
                        chunk of a manager used alone frees its old running state, then
                        takes one block
-``get_then_cache``     ``get_new_blocks(n)`` then ``cache_full_blocks`` of the first of
-                       them: an attention table's chunk of full blocks
+``get_then_cache``     ``get_new_blocks(n)`` and ``cache_full_blocks`` of the first of
+                       them: an attention table's chunk of full blocks (hashes new to
+                       the group only; else None: make the two calls)
 ``cache_then_free``    ``cache_state_blocks(states, ...)`` then ``free_blocks(freed)``: a
                        Mamba retire publishes the boundary state, frees the older one
 =====================  =================================================================
@@ -29,7 +30,7 @@ from typing import Any
 
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
-from mambakv.core.prefix_map import map_blocks, map_state
+from mambakv.core.prefix_map import map_state
 
 __all__ = ["cache_then_free", "free_then_get", "get_then_cache"]
 
@@ -76,37 +77,30 @@ def free_then_get(pool: BlockPool, freed: list[KVCacheBlock], num_new: int) -> l
 
 
 def get_then_cache(pool: BlockPool, num_blocks: int, block_hashes: Sequence[bytes],
-                   group_id: int) -> list[KVCacheBlock]:
-    """``new = pool.get_new_blocks(num_blocks)``, then ``pool.cache_full_blocks(new[:k],
-    block_hashes, group_id)`` with ``k = len(block_hashes) <= num_blocks``, without the second
-    call's checks (a block just popped carries no hash) and layers.
+                   group_id: int) -> list[KVCacheBlock] | None:
+    """``new = pool.get_new_blocks(num_blocks)`` and ``pool.cache_full_blocks(new[:k],
+    block_hashes, group_id)`` (``0 < k = len(block_hashes) <= num_blocks``) in one walk from the
+    queue head: each block is unlinked, gets ref count 1, loses the hash it still carried (an
+    eviction) and, for the first k, its new hash; the group's map gains them in one update.
+    Only for hashes new to the group (a chain never repeats one): then no eviction touches
+    them, so the result is that of the two calls, whenever the second runs in the step (the
+    map's key order included). Otherwise it returns None and changes nothing: make the two
+    calls (the second once every group's blocks are taken, as the general path does).
 
     Raises: as ``get_new_blocks`` (nothing changed)."""
-    if not _plain(pool) or num_blocks > pool.free_block_queue.num_free_blocks or len(block_hashes) > num_blocks:
-        new = pool.get_new_blocks(num_blocks)
-        if block_hashes:
-            pool.cache_full_blocks(new[: len(block_hashes)], block_hashes, group_id)
-        return new
+    num_hashed = len(block_hashes)
+    if not _plain(pool) or num_blocks > pool.free_block_queue.num_free_blocks or not 0 < num_hashed <= num_blocks:
+        return None
     pm = pool.prefix_map
     m = pm.maps.get(group_id)
+    if m is not None and not m.keys().isdisjoint(block_hashes):
+        return None
     if m is None:
         m = pm.maps[group_id] = {}
-    if not m.keys().isdisjoint(block_hashes):  # a hash the group has: evict all first, then map (the two calls' order)
-        new = pool.free_block_queue.popleft_n(num_blocks)
-        for block in new:
-            block.ref_cnt = 1
-            if block.block_hash is not None:
-                pm.remove(block)
-        map_blocks(m, new, block_hashes, group_id)
-        return new
-    # Hashes new to the group (a chain never repeats one): no eviction below touches them, so
-    # one walk from the queue head unlinks, evicts and publishes each block (``popleft_n`` +
-    # ``get_new_blocks`` + ``cache_full_blocks``), and the map gains them in one update.
     q = pool.free_block_queue
     head = q.head
     new = []
     walk: Any = head.next_free_block  # a real block for each of the num_blocks (counted above)
-    num_hashed = len(block_hashes)
     for i in range(num_blocks):
         nxt = walk.next_free_block
         walk.prev_free_block = walk.next_free_block = None

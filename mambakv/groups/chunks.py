@@ -64,31 +64,29 @@ class ChunkMixin:
     def grow_chunk(self, request: Request, table: BlockTable, num_tokens: int, num_lookahead_tokens: int,
                    num_real: int) -> list[list[KVCacheBlock]]:
         """Commit the chunk ``chunk_need`` counted (the caller checked that the pool has the
-        blocks): grow the table and, without KV events, publish the blocks full within
-        `num_real` real tokens (with events the coordinator publishes once every policy grew,
-        as on the general path, so that the event stream keeps its order). Returns the new
-        blocks per column."""
+        blocks): grow the table. Returns the new blocks per column. When every block to publish
+        is new and its hash new to the group, the blocks full within `num_real` real tokens are
+        published in the same pass (``pool_fused.get_then_cache``); otherwise the coordinator's
+        ``cache_blocks`` publishes them once every policy grew, as on the general path."""
         blocks = table.blocks
         bs = self.block_size
         held = len(blocks)
         n = -((num_tokens + num_lookahead_tokens) // -bs) - held
+        if n <= 0:
+            return [[]]
         start = table.num_cached_blocks
-        if num_real // bs <= start or not self.enable_caching or self.block_pool.enable_kv_cache_events:
-            new = self.block_pool.get_new_blocks(n) if n > 0 else []
-            blocks += new
-            return [new]
-        keys = request.block_hashes if request.hash_block_size == bs else group_block_hashes(request, bs)
-        num_full = min(num_real // bs, held + max(n, 0), len(keys))
-        if start == held and n > 0:  # every block to publish is new: take and publish in one pass
+        if start == held and num_real // bs > start and self.enable_caching:
+            keys = request.block_hashes if request.hash_block_size == bs else group_block_hashes(request, bs)
+            num_full = num_real // bs
+            if num_full > len(keys):
+                num_full = len(keys)
             new = get_then_cache(self.block_pool, n, keys[start:num_full], self.kv_cache_group_id)
-            blocks += new
-        else:
-            new = self.block_pool.get_new_blocks(n) if n > 0 else []
-            blocks += new
-            if num_full > start:
-                self.block_pool.cache_full_blocks(blocks[start:num_full], keys[start:num_full], self.kv_cache_group_id)
-        if num_full > start:
-            table.num_cached_blocks = num_full
+            if new is not None:
+                blocks += new
+                table.num_cached_blocks = num_full
+                return [new]
+        new = self.block_pool.get_new_blocks(n)
+        blocks += new
         return [new]
 
     def chunk_retire_ok(self, table: BlockTable, num_processed_tokens: int) -> bool:

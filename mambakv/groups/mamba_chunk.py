@@ -47,7 +47,6 @@ class MambaChunkMixin(QueriesMixin):
     if TYPE_CHECKING:  # MambaManager's
         def publish_settled(self, request: Request, t: MambaTable, num_tokens: int) -> None: ...
 
-
     def chunk_need(self, table: BlockTable, num_tokens: int, num_lookahead_tokens: int) -> int:
         """One block per column for a GROW chunk (lookahead never adds Mamba blocks), else -1."""
         t: MambaTable = table  # type: ignore[assignment]

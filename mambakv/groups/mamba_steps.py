@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.errors import InvalidTokenCountError
+from mambakv.core.spec import MambaCacheMode
 from mambakv.groups.base import cdiv
 from mambakv.groups.drafts import DraftsMixin, MambaTable
 
@@ -69,6 +70,8 @@ class AlignStepsMixin(DraftsMixin):
     _copy_plan: list[tuple[int, int]]
     _zero_plan: list[int]
     _column_managers: tuple[MambaManager, ...]
+    mode: MambaCacheMode
+    _decode_in_place: bool
 
     @property
     def _no_new(self) -> list[list[KVCacheBlock]]:
@@ -187,6 +190,27 @@ class AlignStepsMixin(DraftsMixin):
         self._check_writable(request_id, t, running, num_tokens)
         self._record_step(t, running, num_tokens, num_draft_tokens, case)
         return self._no_new
+
+    def check_writable_step(self, request_id: str, num_tokens: int, decode: bool = False) -> None:
+        """Raise (nothing changed) what the allocation of a running request's step to
+        `num_tokens` main tokens would raise for rewriting a published running state: a step
+        that ends inside (IN_PLACE) or, after drafts, below (BEHIND) the running slot writes
+        the running block in place. The coordinator asks every Mamba policy before any group
+        commits. `decode`: the prompt was computed before the step (``latest`` / ``none``).
+
+        Raises:
+            InvalidTokenCountError: the running block is published (the engine moved its
+                computed count below a retired one)."""
+        t = self._tables.get(request_id)
+        if t is None or t.running_slot < 0 or self.mode is not MambaCacheMode.ALIGN:
+            return
+        r = t.running_slot
+        running = -(num_tokens // -self.block_size) - 1
+        if running > r:  # GROW / ADVANCE: the state goes to a block of its own
+            return
+        if running < r and not (t.had_drafts or (decode and self._decode_in_place)):
+            return  # COVERED: nothing is written
+        self._check_writable(request_id, t, r, num_tokens)
 
     def _check_writable(self, request_id: str, t: MambaTable, running: int, num_tokens: int) -> None:
         if t.blocks[running].block_hash is not None:
