@@ -93,8 +93,7 @@ class CoordinatorResults:
             if num_dead > t.retired_below:
                 m.retire_slots(t, num_dead)
             m.settle(t, num_processed_tokens)
-        live.set_events(policies)
-        live.refresh(policies)  # publishing or retiring moves the allocation thresholds: recount now
+        live.recount(policies)  # publishing or retiring moves the thresholds and the next events
         if self.units is not None:  # a decode checkpoint may have taken a cached block
             self.units.settle()
 
@@ -112,9 +111,8 @@ class CoordinatorResults:
                 if pairs:
                     out[gid] = pairs
         live = self._live.get(request_id)
-        if live is not None:  # the verify moved states: the next allocate / retire recount
-            live.forget_events()
-            live.refresh(self.policies)
+        if live is not None:  # the verify moved states: recount the thresholds and next events
+            live.recount(self.policies)
         if self.units is not None:
             self.units.settle()
         return out

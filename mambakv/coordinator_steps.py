@@ -105,8 +105,7 @@ class CoordinatorSteps:
         if self.enable_caching:  # what grow_chunk did not publish, once every policy's blocks are taken
             for a in self._attention:
                 a.cache_blocks(request, num_real)
-        live.refresh(policies)
-        live.set_events(policies)
+        live.recount(policies)
         if not any(per_column):
             return self._empty_blocks
         if self.mamba_managers:  # a chunk plans no zeros: every Mamba column copies its last state
@@ -137,7 +136,7 @@ class CoordinatorSteps:
             i += 1
         live.retire_quiet = quiet
         if moved:  # a publication or a retirement moved some policy's thresholds: recount
-            live.refresh(policies)
+            live.recount(policies)
         return True
 
     def _allocate_slow(self, request: Request, live: RequestState | None, num_new_computed_tokens: int,
@@ -230,8 +229,7 @@ class CoordinatorSteps:
             for a in self._attention:
                 if active is None or a in policies:
                     a.cache_blocks(request, num_real)
-        live.refresh(self.policies, active)
-        live.set_events(self.policies)  # this step may have tagged a state: the next retire event moves
+        live.recount(self.policies, active)  # this step may have tagged a state: the next retire event moves
         if any_new and self.mamba_managers:
             self._copies_pending = self._zeros_pending = True
         if self.units is not None:

@@ -11,7 +11,7 @@ step O(1)::
     retire_quiet    below this processed count no group       retire: no per-group call
                     publishes, retires or raises (0: recompute)
     events          per policy, its own next event (the       retire: a policy below its
-                    minimum is retire_quiet; 0: recompute)    own is skipped
+                    minimum is retire_quiet)                  own is skipped
 """
 
 from __future__ import annotations
@@ -48,17 +48,19 @@ class RequestState:
         self.arrival = 0.0
         self.parent: Unit | None = None
 
-    def refresh(self, managers: tuple[SingleTypeKVCacheManager, ...], active: list[bool] | None = None) -> None:
-        """Recompute the allocation thresholds from the tables (after a slow step); with
-        `active`, only those policies' (the others' tables did not change)."""
-        per = self.thresholds
-        covered = quiet = 1 << 62
+    def recount(self, managers: tuple[SingleTypeKVCacheManager, ...], active: list[bool] | None = None) -> None:
+        """Recompute the thresholds from the tables (after a slow step), and every policy's next
+        event; with `active`, only those policies' thresholds (the others' tables did not
+        change)."""
+        per, events = self.thresholds, self.events
+        covered = quiet = retire = 1 << 62
         most = i = 0
         for m, t in zip(managers, self.tables):
             if active is None or active[i]:
                 c, q = per[i] = m.thresholds(t)
             else:
                 c, q = per[i]
+            e = events[i] = m.next_event(t)
             i += 1
             if c < covered:
                 covered = c
@@ -66,24 +68,9 @@ class RequestState:
                 quiet = q
             if q > most and c > most:
                 most = c if c < q else q
-        self.num_covered, self.quiet_tokens, self.quiet_max = covered, quiet, most
-
-    def set_events(self, managers: tuple[SingleTypeKVCacheManager, ...]) -> None:
-        """Recompute every policy's next event (``next_event``) and their minimum, ``retire_quiet``."""
-        events = self.events
-        quiet = 1 << 62
-        i = 0
-        for m, t in zip(managers, self.tables):
-            e = events[i] = m.next_event(t)
-            if e < quiet:
-                quiet = e
-            i += 1
-        self.retire_quiet = quiet
-
-    def forget_events(self) -> None:
-        """The tables changed outside a recount (a verify): the next retire asks every policy."""
-        self.retire_quiet = 0
-        self.events = [0] * len(self.tables)
+            if e < retire:
+                retire = e
+        self.num_covered, self.quiet_tokens, self.quiet_max, self.retire_quiet = covered, quiet, most, retire
 
     def active_policies(self, num_tokens: int, num_lookahead_tokens: int) -> list[bool] | None:
         """For a running step without hits or drafts: per policy, whether it has anything to

@@ -216,18 +216,15 @@ def map_state(maps: dict[int, dict[bytes, MapEntry]], blocks: Sequence[KVCacheBl
     for block, group_id in zip(blocks, group_ids):
         if block.block_hash is not None or block.is_null:
             continue
-        block.block_hash = block_hash
-        block.cache_group_id = group_id
         m = maps.get(group_id)
         if m is None:
             m = maps[group_id] = {}
-        entry = m.get(block_hash)
-        if entry is None:
-            m[block_hash] = block
-        elif isinstance(entry, dict):
-            entry[block.block_id] = block
-        else:
-            m[block_hash] = {entry.block_id: entry, block.block_id: block}
+        if block_hash in m:  # another copy: map_blocks' entry rules
+            map_blocks(m, (block,), (block_hash,), group_id)
+            continue
+        block.block_hash = block_hash
+        block.cache_group_id = group_id
+        m[block_hash] = block
 
 
 def _check_republish(blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes], group_id: int) -> None:

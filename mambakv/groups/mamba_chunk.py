@@ -24,12 +24,10 @@ from mambakv.core.pool_fused import cache_then_free
 from mambakv.core.request import Request
 from mambakv.groups.drafts import MambaTable
 from mambakv.groups.mamba_queries import QueriesMixin
-from mambakv.groups.mamba_steps import AlignStep
 from mambakv.groups.tables import BlockTable, group_block_hashes
 
 __all__ = ["MAMBA_CHUNK_STEPS", "MambaChunkMixin"]
 
-_GROW = AlignStep.GROW
 
 #: the general path's steps the Mamba chunk path stands in for (a subclass changing one opts out)
 MAMBA_CHUNK_STEPS = ("get_num_blocks_to_allocate", "count_columns", "allocate_new_blocks", "allocate_columns",
@@ -85,13 +83,7 @@ class MambaChunkMixin(QueriesMixin):
             if list_writes:
                 m._writes.append((rid, block_id, num_tokens))
             out.append([block])
-        t.running_slot = running  # _record_step: no drafts, none pending
-        t.num_tokens = num_tokens
-        t.last_step = _GROW
-        if self.enable_caching and num_tokens == (running + 1) * bs:
-            t.positions[running] = num_tokens
-        elif t.positions:
-            t.positions.pop(running, None)
+        self._record_grow(t, running, num_tokens)
         return out
 
     def chunk_retire_ok(self, table: BlockTable, num_processed_tokens: int) -> bool:
