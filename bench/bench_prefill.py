@@ -39,14 +39,15 @@ def prompt_480k() -> np.ndarray:
     return np.random.default_rng(0).integers(0, VOCAB, PROMPT_480K, dtype=np.int32)
 
 
+@pytest.mark.parametrize("one_call", [False, True], ids=["retire+allocate", "allocate(num_processed_tokens)"])
 @pytest.mark.parametrize("in_flight", [0, 1, 2])
-def test_prefill_480k_hybrid(benchmark, prompt_480k, in_flight):
+def test_prefill_480k_hybrid(benchmark, prompt_480k, in_flight, one_call):
     cfg = qwen3_next_config(nspec=5)
     results = []
 
     def run():
         coord = KVCacheCoordinator(cfg, max_model_len=1 << 21)
-        results.append(hybrid_prefill(coord, prompt_480k, in_flight))
+        results.append(hybrid_prefill(coord, prompt_480k, in_flight, retire_in_allocate=one_call))
         coord.check_invariants()
         assert coord.block_pool.get_num_free_blocks() == cfg.num_blocks - 1
 

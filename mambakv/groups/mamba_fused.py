@@ -14,8 +14,11 @@ from mambakv.core.block import KVCacheBlock
 from mambakv.core.pool_fused import free_then_get
 from mambakv.groups.mamba_queries import QueriesMixin
 from mambakv.groups.mamba_release import MambaReleaseMixin
+from mambakv.groups.mamba_steps import AlignStep
 
 __all__ = ["FusedStepMixin"]
+
+_GROW = AlignStep.GROW
 
 _RETIRE_SLOTS = MambaReleaseMixin.retire_slots
 
@@ -87,7 +90,14 @@ class FusedStepMixin(QueriesMixin):
                 blocks += new
                 block_id = blocks[running].block_id
                 self._copy_plan.append((blocks[source].block_id, block_id))
-                self._record_grow(t, running, num_tokens)
+                # _record_grow, inlined: one call is 10% of this whole step (measured: 1.29 against 1.16 us)
+                t.running_slot = running
+                t.num_tokens = num_tokens
+                t.last_step = _GROW
+                if self.enable_caching and num_tokens == (running + 1) * bs:
+                    t.positions[running] = num_tokens
+                elif t.positions:
+                    t.positions.pop(running, None)
                 if self._list_writes:
                     self._writes.append((request_id, block_id, num_tokens))
                 return new
