@@ -182,15 +182,9 @@ class FreeBlockQueue:
         self._link_run(self._head, blocks, self._head.next_free_block)  # type: ignore[arg-type]
 
     def append_unchecked(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """``append_n(blocks, checked=False)`` in one call (BlockPool's requeue of freed blocks)."""
-        prev = self._tail.prev_free_block
-        self.num_free_blocks += len(blocks)
-        for block in blocks:
-            prev.next_free_block = block  # type: ignore[union-attr]
-            block.prev_free_block = prev
-            prev = block
-        prev.next_free_block = self._tail  # type: ignore[union-attr]
-        self._tail.prev_free_block = prev
+        """``append_n(blocks, checked=False)`` without the keyword (BlockPool's requeue of freed
+        blocks, once per free)."""
+        self._link_run(self._tail.prev_free_block, blocks, self._tail)  # type: ignore[arg-type]
 
     def _link_run(self, prev: KVCacheBlock, blocks: Sequence[KVCacheBlock], after: KVCacheBlock) -> None:
         """Link `blocks`, in order, between the adjacent nodes `prev` and `after`."""
