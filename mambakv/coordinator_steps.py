@@ -13,7 +13,8 @@ of walking the general path (count, commit per column, checkpoint writes, public
 thresholds, one call each)::
 
     allocate   chunk_need (every policy; any -1: general path)  ->  pool check  ->  grow_chunk
-    retire     chunk_retire_ok (every policy; any False: general)  ->  retire_chunk
+    retire     chunk_retire_ok (each policy whose next event came; any False: general)
+               ->  retire_chunk (those policies; the others have nothing to do)
 
 The general path and this one leave identical tables, blocks, queue order, plans and
 thresholds (``tests/test_chunk_path.py``). The decoupled layout (eviction units, room in two
