@@ -66,11 +66,17 @@ class FreeBlockQueue:
     construction. ``num_free_blocks`` is the queue length.
     """
 
-    __slots__ = ("num_free_blocks", "_head", "_tail")
+    __slots__ = ("num_free_blocks", "_head", "_tail", "head", "tail")
 
     def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
         self._head = KVCacheBlock(-1)
         self._tail = KVCacheBlock(-1)
+        #: the head sentinel (block id -1): ``head.next_free_block`` is the block reused first
+        #: (for the pool's fused walks, ``mambakv.core.pool_fused``; never rebind it)
+        self.head = self._head
+        #: the tail sentinel (block id -1): ``tail.prev_free_block`` is the block reused last
+        #: (for the pool's fused requeue; never rebind it)
+        self.tail = self._tail
         self._head.next_free_block = self._tail
         self._tail.prev_free_block = self._head
         self.num_free_blocks = 0
@@ -87,18 +93,6 @@ class FreeBlockQueue:
         block.prev_free_block = block.next_free_block = None
         self.num_free_blocks -= 1
         return block
-
-    @property
-    def head(self) -> KVCacheBlock:
-        """The head sentinel (block id -1): ``head.next_free_block`` is the block reused first
-        (for the pool's fused walks, ``mambakv.core.pool_fused``)."""
-        return self._head
-
-    @property
-    def tail(self) -> KVCacheBlock:
-        """The tail sentinel (block id -1): ``tail.prev_free_block`` is the block reused last
-        (None-free links; for the pool's fused requeue, ``mambakv.core.pool_fused``)."""
-        return self._tail
 
     @property
     def sentinels(self) -> tuple[KVCacheBlock, KVCacheBlock]:
@@ -220,6 +214,7 @@ class FreeBlockQueue:
     def check_invariants(self) -> None:
         """Assert the links are consistent both ways and the count matches."""
         seen = 0
+        assert self.head is self._head and self.tail is self._tail, "sentinels rebound"
         prev = self._head
         block = self._head.next_free_block
         while block is not self._tail:

@@ -20,17 +20,20 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from mambakv.core.block import FreeBlockQueue, KVCacheBlock
 from mambakv.core.errors import DoubleFreeError, InvalidBlockError, InvalidTokenCountError, OutOfBlocksError
 from mambakv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from mambakv.core.pool_checks import check_pool, checked_block_ids, first_duplicate_id, undo_free
+from mambakv.core.pool_checks import check_pool, checked_block_ids, first_duplicate_id, keeps_calls, undo_free
 from mambakv.core.prefix_map import PrefixMap
 
 __all__ = ["AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "KVCacheEvent"]
 
 
 _POOL_IDS = itertools.count()
+#: the calls whose one-pass forms ``mambakv.core.pool_fused`` takes (``BlockPool.fused_calls``)
+_FUSED_CALLS = ("free_blocks", "_requeue", "get_new_blocks", "cache_full_blocks", "cache_state_blocks")
 
 
 class BlockPool:
@@ -63,6 +66,9 @@ class BlockPool:
         self.cached_block_hash_to_block = self.prefix_map.maps
         #: blocks out of circulation, in no table (a decoupled pool's withdrawn blocks; 0 otherwise)
         self.num_reserved_blocks = 0
+        #: the class keeps BlockPool's own free / requeue / get / cache calls, so the one-pass
+        #: forms of ``mambakv.core.pool_fused`` may stand in for them (read-only)
+        self.fused_calls = keeps_calls(type(self), BlockPool, _FUSED_CALLS)
 
     @property
     def num_evictions(self) -> int:
@@ -117,13 +123,23 @@ class BlockPool:
                 self.prefix_map.remove(block)
             block.ref_cnt = 1
             return [block]
-        blocks = self.free_block_queue.popleft_n(num_blocks)
+        q = self.free_block_queue
+        head = q.head
+        blocks = []
         hashed = None
-        for block in blocks:
-            block.ref_cnt = 1
-            if block.block_hash is not None:  # evicted below in one call (a fresh pool: none)
+        walk: Any = head.next_free_block  # a real block for each of the num_blocks (counted above)
+        for _ in range(num_blocks):  # popleft_n and the ref counts in one walk
+            nxt = walk.next_free_block
+            walk.prev_free_block = walk.next_free_block = None
+            walk.ref_cnt = 1
+            if walk.block_hash is not None:  # evicted below in one call (a fresh pool: none)
                 hashed = hashed or []
-                hashed.append(block)
+                hashed.append(walk)
+            blocks.append(walk)
+            walk = nxt
+        head.next_free_block = walk
+        walk.prev_free_block = head
+        q.num_free_blocks -= num_blocks
         if hashed:
             self.prefix_map.remove_many(hashed)
         return blocks

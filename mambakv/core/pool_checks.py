@@ -23,7 +23,14 @@ from mambakv.core.errors import DoubleFreeError, InvalidBlockError
 if TYPE_CHECKING:
     from mambakv.core.block_pool import BlockPool
 
-__all__ = ["check_pool", "checked_block_ids", "first_duplicate_id", "undo_free"]
+__all__ = ["check_pool", "checked_block_ids", "first_duplicate_id", "keeps_calls", "undo_free"]
+
+
+def keeps_calls(cls: type, base: type, names: Iterable[str]) -> bool:
+    """True when `cls` keeps `base`'s own version of every method in `names`: a subclass that
+    changes one (a teeth test's planted rule, an engine's own pool or policy) opts out of the
+    one-pass forms that stand in for them (``BlockPool.fused_calls``, a manager's ``chunks``)."""
+    return all(getattr(cls, n) is getattr(base, n) for n in names)
 
 
 def first_duplicate_id(blocks: Iterable[KVCacheBlock]) -> int:

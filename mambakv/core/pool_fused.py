@@ -34,29 +34,6 @@ from mambakv.core.prefix_map import map_state
 
 __all__ = ["cache_then_free", "free_then_get", "get_then_cache"]
 
-_FREE = BlockPool.free_blocks
-_REQUEUE = BlockPool._requeue
-_GET = BlockPool.get_new_blocks
-_CACHE = BlockPool.cache_full_blocks
-_CACHE_STATES = BlockPool.cache_state_blocks
-
-
-_PLAIN_CLASSES: dict[type, bool] = {}
-
-
-def _plain(pool: BlockPool) -> bool:
-    """Caching on, no events, and the pool's class keeps BlockPool's own free / requeue / get /
-    cache calls (the answer per class is kept: classes do not change)."""
-    if not pool.enable_caching or pool.enable_kv_cache_events:
-        return False
-    cls = type(pool)
-    plain = _PLAIN_CLASSES.get(cls)
-    if plain is None:
-        plain = _PLAIN_CLASSES[cls] = (cls.free_blocks is _FREE and cls._requeue is _REQUEUE
-                                       and cls.get_new_blocks is _GET and cls.cache_full_blocks is _CACHE
-                                       and cls.cache_state_blocks is _CACHE_STATES)
-    return plain
-
 
 def free_then_get(pool: BlockPool, freed: list[KVCacheBlock], num_new: int) -> list[KVCacheBlock] | None:
     """``pool.free_blocks(freed)`` (if any), then ``pool.get_new_blocks(num_new)``, or None
@@ -65,9 +42,7 @@ def free_then_get(pool: BlockPool, freed: list[KVCacheBlock], num_new: int) -> l
     Raises: as ``free_blocks`` (nothing changed) and ``get_new_blocks``."""
     if len(freed) == 1 and num_new == 1:
         b = freed[0]
-        cls = type(pool)
-        if (b.ref_cnt == 1 and b.block_hash is None and b.pool_id == pool.pool_id and not b.is_null
-                and cls.free_blocks is _FREE and cls._requeue is _REQUEUE and cls.get_new_blocks is _GET):
+        if b.ref_cnt == 1 and b.block_hash is None and b.pool_id == pool.pool_id and not b.is_null and pool.fused_calls:
             return freed  # freed to the head, popped right back: ref count 1, out of the queue
     if freed:
         pool.free_blocks(freed)
@@ -89,7 +64,8 @@ def get_then_cache(pool: BlockPool, num_blocks: int, block_hashes: Sequence[byte
 
     Raises: as ``get_new_blocks`` (nothing changed)."""
     num_hashed = len(block_hashes)
-    if not _plain(pool) or num_blocks > pool.free_block_queue.num_free_blocks or not 0 < num_hashed <= num_blocks:
+    # (caching on, no events, BlockPool's own calls: the plain case of the two calls)
+    if not (pool.fused_calls and pool.enable_caching and not pool.enable_kv_cache_events) or num_blocks > pool.free_block_queue.num_free_blocks or not 0 < num_hashed <= num_blocks:
         return None
     pm = pool.prefix_map
     m = pm.maps.get(group_id)
@@ -101,15 +77,22 @@ def get_then_cache(pool: BlockPool, num_blocks: int, block_hashes: Sequence[byte
     head = q.head
     new = []
     walk: Any = head.next_free_block  # a real block for each of the num_blocks (counted above)
-    for i in range(num_blocks):
+    for block_hash in block_hashes:  # the first k: taken and published
         nxt = walk.next_free_block
         walk.prev_free_block = walk.next_free_block = None
         walk.ref_cnt = 1
         if walk.block_hash is not None:
             pm.remove(walk)
-        if i < num_hashed:
-            walk.block_hash = block_hashes[i]
-            walk.cache_group_id = group_id
+        walk.block_hash = block_hash
+        walk.cache_group_id = group_id
+        new.append(walk)
+        walk = nxt
+    for _ in range(num_blocks - num_hashed):  # the rest: taken only
+        nxt = walk.next_free_block
+        walk.prev_free_block = walk.next_free_block = None
+        walk.ref_cnt = 1
+        if walk.block_hash is not None:
+            pm.remove(walk)
         new.append(walk)
         walk = nxt
     head.next_free_block = walk
@@ -128,14 +111,15 @@ def cache_then_free(pool: BlockPool, states: Sequence[KVCacheBlock], block_hash:
 
     Raises: as the two calls."""
     # (Both lists come from the caller's own tables, whose blocks are this pool's: no pool check.)
-    plain = _plain(pool) and (len(freed) < 2 or len(set(freed)) == len(freed))
+    plain = (pool.fused_calls and pool.enable_caching and not pool.enable_kv_cache_events
+             and (len(freed) < 2 or len(set(freed)) == len(freed)))
     if plain:
         for b in freed:
             if b.ref_cnt < 1:  # an earlier misuse freed it: the two calls raise DoubleFreeError
                 plain = False
         if block_hash is not None:
             for b in states:
-                if b.block_hash is not None or b.ref_cnt < 1:
+                if b.block_hash is not None or b.ref_cnt < 1 or b.is_null:
                     plain = False
     if not plain:
         if block_hash is not None:
@@ -143,8 +127,16 @@ def cache_then_free(pool: BlockPool, states: Sequence[KVCacheBlock], block_hash:
         if freed:
             pool.free_blocks(freed)
         return
-    if block_hash is not None:
-        map_state(pool.prefix_map.maps, states, block_hash, group_ids)
+    if block_hash is not None:  # map_state, inlined for the common entry (the hash new to the group)
+        maps = pool.prefix_map.maps
+        for block, group_id in zip(states, group_ids):
+            m = maps.get(group_id)
+            if m is None or block_hash in m:
+                map_state(maps, (block,), block_hash, (group_id,))
+                continue
+            block.block_hash = block_hash
+            block.cache_group_id = group_id
+            m[block_hash] = block
     q = pool.free_block_queue
     tail = q.tail
     last = tail.prev_free_block
