@@ -238,7 +238,7 @@ class KVCacheCoordinator(CoordinatorSteps, CoordinatorHost, CoordinatorResults, 
         if num_processed_tokens is not None:  # retire(rid, n) first, inline for a plain count
             n = num_processed_tokens
             if live is not None and type(n) is int and 0 < n <= live.num_scheduled and n <= request.num_tokens:
-                if n >= live.retire_quiet:
+                if n >= live.retire_quiet and (self.arena is not None or not self._retire_chunk(live, n)):
                     self._retire_live(live, n)
             else:
                 self.retire(rid, n)  # 0 or a new request: nothing to do; else it raises (nothing changed)

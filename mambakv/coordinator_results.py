@@ -75,14 +75,14 @@ class CoordinatorResults:
             raise InvalidTokenCountError(
                 f"request {request_id!r} has {request.num_tokens} tokens, {live.num_scheduled} "
                 f"scheduled: cannot have processed {num_processed_tokens}")
-        if num_processed_tokens >= live.retire_quiet:
-            self._retire_live(live, num_processed_tokens)
+        if num_processed_tokens >= live.retire_quiet and (
+                self.arena is not None or not self._retire_chunk(live, num_processed_tokens)):
+            self._retire_live(live, num_processed_tokens)  # not every policy in a prefill chunk's state
 
     def _retire_live(self, live: RequestState, num_processed_tokens: int) -> None:
-        """``retire``'s work once its count checks passed and the count reached the request's
-        next event: the chunk path, else every group checked, then published, then retired."""
-        if self.arena is None and self._retire_chunk(live, num_processed_tokens):
-            return  # every policy in a prefill chunk's state: the fused path
+        """``retire``'s general work once its count checks passed, the count reached the
+        request's next event and the chunk path declined (``_retire_chunk``): every group
+        checked, then published, then retired."""
         request = live.request
         policies, tables = self.policies, live.tables
         dead = [m.dead_slots(t, num_processed_tokens) for m, t in zip(policies, tables)]  # raises first

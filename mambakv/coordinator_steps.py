@@ -101,12 +101,20 @@ class CoordinatorSteps:
         if num_tokens < num_real:
             num_real = num_tokens
         per_column: list[list[KVCacheBlock]] = []
+        counts = []
+        late = False
         for p, t in zip(policies, tables):
-            per_column += p.grow_chunk(request, t, num_tokens, num_lookahead_tokens, num_real)
-        if self.enable_caching:  # what grow_chunk did not publish, once every policy's blocks are taken
-            for a in self._attention:
-                a.cache_blocks(request, num_real)
-        live.recount(policies)
+            c = p.grow_chunk(request, t, num_tokens, num_lookahead_tokens, num_real, per_column)
+            if c is None:
+                late = True
+            counts.append(c)
+        if late:  # blocks left to publish, once every policy's blocks are taken
+            if self.enable_caching:
+                for a in self._attention:
+                    a.cache_blocks(request, num_real)
+            live.recount(policies)
+        else:
+            live.set_counts(counts)  # type: ignore[arg-type]
         if not any(per_column):
             return self._empty_blocks
         if self.mamba_managers:  # a chunk plans no zeros: every Mamba column copies its last state

@@ -52,15 +52,22 @@ class RequestState:
         """Recompute the thresholds from the tables (after a slow step), and every policy's next
         event; with `active`, only those policies' thresholds (the others' tables did not
         change)."""
+        per = self.thresholds
+        counts = []
+        for i, (m, t) in enumerate(zip(managers, self.tables)):
+            c, q = m.thresholds(t) if active is None or active[i] else per[i]
+            counts.append((c, q, m.next_event(t)))
+        self.set_counts(counts)
+
+    def set_counts(self, counts: list[tuple[int, int, int]]) -> None:
+        """Set the thresholds and next events from each policy's ``(covered, quiet, next_event)``
+        (``SingleTypeKVCacheManager.thresholds`` and ``next_event``, in policy order)."""
         per, events = self.thresholds, self.events
         covered = quiet = retire = 1 << 62
         most = i = 0
-        for m, t in zip(managers, self.tables):
-            if active is None or active[i]:
-                c, q = per[i] = m.thresholds(t)
-            else:
-                c, q = per[i]
-            e = events[i] = m.next_event(t)
+        for c, q, e in counts:
+            per[i] = (c, q)
+            events[i] = e
             i += 1
             if c < covered:
                 covered = c

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
+from mambakv.core.pool_checks import keeps_calls
 from mambakv.core.pool_fused import get_then_cache
 from mambakv.core.request import Request
 from mambakv.groups.tables import BlockTable, group_block_hashes
@@ -37,8 +38,7 @@ def chunks_fusable(manager: SingleTypeKVCacheManager, base: type, names: tuple[s
     """True when `manager`'s class keeps `base`'s own version of every method in `names`: a
     subclass that changes one (a teeth test's planted rule, an engine's own policy) gets the
     general path, so the chunk path never bypasses it."""
-    cls = type(manager)
-    return all(getattr(cls, n) is getattr(base, n) for n in names)
+    return keeps_calls(type(manager), base, names)
 
 
 class ChunkMixin:
@@ -62,32 +62,44 @@ class ChunkMixin:
         return n if n > 0 else 0
 
     def grow_chunk(self, request: Request, table: BlockTable, num_tokens: int, num_lookahead_tokens: int,
-                   num_real: int) -> list[list[KVCacheBlock]]:
+                   num_real: int, out: list[list[KVCacheBlock]]) -> tuple[int, int, int] | None:
         """Commit the chunk ``chunk_need`` counted (the caller checked that the pool has the
-        blocks): grow the table. Returns the new blocks per column. When every block to publish
-        is new and its hash new to the group, the blocks full within `num_real` real tokens are
-        published in the same pass (``pool_fused.get_then_cache``); otherwise the coordinator's
-        ``cache_blocks`` publishes them once every policy grew, as on the general path."""
+        blocks): grow the table and append its new blocks to `out`, one list per column.
+
+        When every block to publish is new and its hash new to the group, the blocks full
+        within `num_real` real tokens are published in the same pass
+        (``pool_fused.get_then_cache``). Returns the table's ``(covered, quiet, next_event)``
+        (``thresholds`` and ``next_event``) when nothing is left to publish, else None: the
+        coordinator's ``cache_blocks`` publishes the rest once every policy grew (as on the
+        general path), then recounts."""
         blocks = table.blocks
         bs = self.block_size
         held = len(blocks)
         n = -((num_tokens + num_lookahead_tokens) // -bs) - held
-        if n <= 0:
-            return [[]]
-        start = table.num_cached_blocks
-        if start == held and num_real // bs > start and self.enable_caching:
-            keys = request.block_hashes if request.hash_block_size == bs else group_block_hashes(request, bs)
-            num_full = num_real // bs
-            if num_full > len(keys):
-                num_full = len(keys)
-            new = get_then_cache(self.block_pool, n, keys[start:num_full], self.kv_cache_group_id)
-            if new is not None:
-                blocks += new
-                table.num_cached_blocks = num_full
-                return [new]
-        new = self.block_pool.get_new_blocks(n)
-        blocks += new
-        return [new]
+        new: list[KVCacheBlock] = []
+        if n > 0:
+            start = table.num_cached_blocks
+            if start == held and num_real // bs > start and self.enable_caching:
+                keys = request.block_hashes if request.hash_block_size == bs else group_block_hashes(request, bs)
+                num_full = num_real // bs
+                if num_full > len(keys):
+                    num_full = len(keys)
+                published = get_then_cache(self.block_pool, n, keys[start:num_full], self.kv_cache_group_id)
+                if published is not None:
+                    new = published
+                    table.num_cached_blocks = num_full
+            if not new:
+                new = self.block_pool.get_new_blocks(n)
+            blocks += new
+        out.append(new)
+        covered = len(blocks) * bs
+        if not self.enable_caching:
+            return covered, covered, self.next_event(table)
+        num_cached = table.num_cached_blocks
+        if min(num_real // bs, len(blocks)) > num_cached:
+            return None
+        quiet = (num_cached + 1) * bs - 1  # thresholds(), inlined (the chunk path runs only for its own)
+        return covered, quiet if quiet < covered else covered, self.next_event(table)
 
     def chunk_retire_ok(self, table: BlockTable, num_processed_tokens: int) -> bool:
         """True when ``retire_chunk`` can take this group's retire (it raises nothing then)."""
@@ -113,3 +125,4 @@ class ChunkMixin:
         def num_dead_slots(self, table: BlockTable, num_processed_tokens: int) -> int: ...
         def retire_slots(self, table: BlockTable, num_slots: int) -> None: ...
         def next_event(self, table: BlockTable) -> int: ...
+        def thresholds(self, table: BlockTable) -> tuple[int, int]: ...

@@ -24,7 +24,7 @@ from mambakv.core.pool_fused import cache_then_free
 from mambakv.core.request import Request
 from mambakv.groups.drafts import MambaTable
 from mambakv.groups.mamba_queries import QueriesMixin
-from mambakv.groups.tables import BlockTable, group_block_hashes
+from mambakv.groups.tables import BlockTable, group_block_hashes, real_slots
 
 __all__ = ["MAMBA_CHUNK_STEPS", "MambaChunkMixin"]
 
@@ -46,9 +46,10 @@ class MambaChunkMixin(QueriesMixin):
         def publish_settled(self, request: Request, t: MambaTable, num_tokens: int) -> None: ...
 
     def chunk_need(self, table: BlockTable, num_tokens: int, num_lookahead_tokens: int) -> int:
-        """One block per column for a GROW chunk (lookahead never adds Mamba blocks), else -1."""
+        """One block per column for a GROW chunk (lookahead never adds Mamba blocks), else -1
+        (a verify pending or verified, decode bookkeeping: the general path)."""
         t: MambaTable = table  # type: ignore[assignment]
-        if not self.chunks or t.verify_steps or t.verified or t.in_decode:
+        if not self.chunks or t.verify_steps or t.verified or t.in_decode or t.decode_steps or t.spare_pos:
             return -1
         source = t.running_slot
         if 0 <= source < -(num_tokens // -self.block_size) - 1 \
@@ -57,8 +58,11 @@ class MambaChunkMixin(QueriesMixin):
         return -1
 
     def grow_chunk(self, request: Request, table: BlockTable, num_tokens: int, num_lookahead_tokens: int,
-                   num_real: int) -> list[list[KVCacheBlock]]:
-        """Commit the GROW chunk ``chunk_need`` counted (see the module docstring)."""
+                   num_real: int, out: list[list[KVCacheBlock]]) -> tuple[int, int, int] | None:
+        """Commit the GROW chunk ``chunk_need`` counted (see the module docstring); append each
+        column's new block to `out`. Returns ``(covered, quiet, next_event)``: a GROW chunk
+        leaves no verify pending and is not in decode, so ``thresholds`` is the running slot's
+        boundary and one token short of it."""
         t: MambaTable = table  # type: ignore[assignment]
         bs = self.block_size
         source = t.running_slot
@@ -69,7 +73,6 @@ class MambaChunkMixin(QueriesMixin):
         new = self.block_pool.get_new_blocks(len(t.columns))
         list_writes = self._list_writes
         rid = request.request_id
-        out = []
         jump = k == self.num_speculative_blocks  # every scratch block moves: the gap goes in before them
         for col, m, block in zip(t.columns, self._column_managers, new):
             if jump:
@@ -84,7 +87,12 @@ class MambaChunkMixin(QueriesMixin):
                 m._writes.append((rid, block_id, num_tokens))
             out.append([block])
         self._record_grow(t, running, num_tokens)
-        return out
+        covered = (running + 1) * bs
+        nxt = (t.retired_below + 1) * bs + 1  # next_event(), inlined: a chunk's tags and watermark only
+        for pos in t.positions.values():
+            if pos < nxt:
+                nxt = pos
+        return covered, covered - 1, nxt
 
     def chunk_retire_ok(self, table: BlockTable, num_processed_tokens: int) -> bool:
         """No verify or decode bookkeeping pending, and the running state outlives the retire
@@ -117,7 +125,9 @@ class MambaChunkMixin(QueriesMixin):
                 pos = positions.pop(slot)
                 keys = request.block_hashes if request.hash_block_size == bs else group_block_hashes(request, bs)
                 if pos == (slot + 1) * bs and slot < len(keys):
-                    states, key = [col[slot] for col in t.columns], keys[slot]
+                    key = keys[slot]
+                    for col in t.columns:
+                        states.append(col[slot])
         num_slots = (num_processed_tokens - 1) // bs  # only the last state matters
         low = t.retired_below
         stop = min(num_slots, len(t.blocks))
@@ -125,10 +135,10 @@ class MambaChunkMixin(QueriesMixin):
         real: list[int] = []
         null = self.null_block
         if stop > low:  # column 0's real slots, deepest first, in every column: as retire_slots frees them
-            blocks = t.blocks
-            real = [i for i in range(stop - 1, low - 1, -1) if blocks[i] is not null]
-            if real:
-                freed = [col[i] for col in t.columns for i in real]
+            real = real_slots(t.blocks, low, stop, null)
+            for col in t.columns:
+                for i in real:
+                    freed.append(col[i])
         if key is not None or freed:
             cache_then_free(self.block_pool, states, key, self._column_ids, freed)
         if stop > low:  # the rest of the span is null already (pads, moved scratch): null the freed slots

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from mambakv.core.errors import DoubleFreeError
 from mambakv.groups.base import BlockTable
 from mambakv.groups.drafts import DraftsMixin, MambaTable
+from mambakv.groups.tables import real_slots
 
 if TYPE_CHECKING:
     from mambakv.groups.mamba import MambaManager
@@ -70,7 +71,7 @@ class MambaReleaseMixin(DraftsMixin):
             return
         blocks, null = t.blocks, self.null_block
         # Every column has column 0's null pattern (check_invariants): scan one, gather from all.
-        real = [i for i in range(stop - 1, low - 1, -1) if blocks[i] is not null]  # deepest first
+        real = real_slots(blocks, low, stop, null)  # deepest first
         if real:
             self.block_pool.free_blocks([col[i] for col in t.columns for i in real])
         nulls = [null] * (stop - low)

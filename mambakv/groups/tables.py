@@ -11,7 +11,7 @@ from mambakv.core.errors import HashBlockSizeMismatchError
 from mambakv.core.request import Request
 
 __all__ = ["NEVER", "BlockHashView", "BlockTable", "RequestBlocks", "TableMapping", "cdiv", "group_block_hashes",
-           "num_evictable"]
+           "num_evictable", "real_slots"]
 
 #: "never": a token count no request reaches (the quiet thresholds use it)
 NEVER = 1 << 62
@@ -116,3 +116,17 @@ def num_evictable(blocks: Sequence[KVCacheBlock]) -> int:
 
 
 _num_evictable = num_evictable  # the 0.1 name
+
+
+def real_slots(blocks: list[KVCacheBlock], low: int, stop: int, null: KVCacheBlock) -> list[int]:
+    """The slots in ``[low, stop)`` of `blocks` that hold a real (non-null) block, deepest
+    first. A Mamba table's span below the running slot is mostly null gaps: a prefill chunk's
+    retire finds one real slot (the previous boundary state, at the old watermark), which a
+    count in C confirms without a scan in Python (blocks compare by identity)."""
+    span = blocks[low:stop]
+    num_null = span.count(null)
+    if num_null == len(span):
+        return []
+    if num_null == len(span) - 1 and span[0] is not null:
+        return [low]
+    return [i for i in range(stop - 1, low - 1, -1) if blocks[i] is not null]
