@@ -32,7 +32,6 @@ from mambakv.core.block_pool import BlockPool
 from mambakv.core.request import Request
 from mambakv.core.units import UnitIndex
 from mambakv.groups import MambaManager, SingleTypeKVCacheManager
-from mambakv.groups.tables import NEVER
 from mambakv.hits import PrefixHitFinder
 from mambakv.plans import KVCacheBlocks
 from mambakv.request_state import RequestState
@@ -131,19 +130,13 @@ class CoordinatorSteps:
             if e <= num_processed_tokens and not p.chunk_retire_ok(t, num_processed_tokens):
                 return False
         request = live.request
-        quiet = NEVER
         moved = False
-        i = 0
-        for p, t in zip(policies, tables):
-            e = events[i]
+        for i, e in enumerate(events):
             if e <= num_processed_tokens:
-                e, m = p.retire_chunk(request, t, num_processed_tokens)
-                events[i] = e
-                moved = moved or m
-            if e < quiet:
-                quiet = e
-            i += 1
-        live.retire_quiet = quiet
+                events[i], m = policies[i].retire_chunk(request, tables[i], num_processed_tokens)
+                if m:
+                    moved = True
+        live.retire_quiet = min(events)
         if moved:  # a publication or a retirement moved some policy's thresholds: recount
             live.recount(policies)
         return True
