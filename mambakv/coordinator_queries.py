@@ -298,8 +298,11 @@ class CoordinatorQueries(CoordinatorPools):
             if live.retire_quiet:
                 assert live.retire_quiet <= min(m.next_event(t) for m, t in zip(self.policies, live.tables)), \
                     f"{rid}: retire threshold {live.retire_quiet} above a group's next event"
-            for m, t, e in zip(self.policies, live.tables, live.events):  # a retire skips a policy below its own
+            for m, t, e, (c, q) in zip(self.policies, live.tables, live.events, live.thresholds):
+                # a retire skips a policy below its own next event, an allocate one within its own thresholds
                 assert e <= m.next_event(t), f"{rid}: group {m.kv_cache_group_id}'s next event {e} is stale"
+                covered, quiet = m.thresholds(t)
+                assert c <= covered and q <= quiet, f"{rid}: group {m.kv_cache_group_id}'s thresholds {(c, q)} are stale"
         for m in self.managers:
             for rid in m.req_to_blocks:
                 assert rid in self._live, f"{rid}: table kept by group {m.kv_cache_group_id} without a request state"
