@@ -64,11 +64,10 @@ class RequestState:
         (``SingleTypeKVCacheManager.thresholds`` and ``next_event``, in policy order)."""
         per, events = self.thresholds, self.events
         covered = quiet = retire = 1 << 62
-        most = i = 0
-        for c, q, e in counts:
+        most = 0
+        for i, (c, q, e) in enumerate(counts):
             per[i] = (c, q)
             events[i] = e
-            i += 1
             if c < covered:
                 covered = c
             if q < quiet:
