@@ -229,18 +229,9 @@ class BlockPool:
             self.free_block_queue.append_unchecked(hashed)
 
     # ------------------------------------------------------------------ prefix cache
-    def cache_full_blocks(
-        self,
-        blocks: Sequence[KVCacheBlock],
-        block_hashes: Sequence[bytes],
-        kv_cache_group_id: int,
-        *,
-        parent_block_hash: bytes | None = None,
-        token_ids: Sequence[int] | None = None,
-        block_size: int = 0,
-        lora_id: int | None = None,
-        lora_name: str | None = None,
-    ) -> None:
+    def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes], kv_cache_group_id: int, *,
+                          parent_block_hash: bytes | None = None, token_ids: Sequence[int] | None = None,
+                          block_size: int = 0, lora_id: int | None = None, lora_name: str | None = None) -> None:
         """Publish ``blocks[i]`` under ``block_hashes[i]`` in group `kv_cache_group_id`.
 
         Null blocks and blocks already published under the same hash and group (hits) are
