@@ -1,0 +1,81 @@
+"""Bugs found by trying to break the chunk-path / one-pass pool change (a2cd9b5..): each test
+states the expected value worked out by hand and fails on the code before its fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from mambakv import BlockPool, KVCacheBlock
+from mambakv.core.pool_fused import cache_then_free, free_then_get, get_then_cache
+
+H = [bytes([i]) * 16 for i in range(8)]
+
+
+def _map(pool: BlockPool) -> dict:
+    return {g: {h: (e.block_id if isinstance(e, KVCacheBlock) else sorted(e)) for h, e in m.items()}
+            for g, m in pool.cached_block_hash_to_block.items()}
+
+
+def test_fused_forms_make_the_two_calls_when_blockpool_itself_is_patched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A teeth test plants its rule on BlockPool itself (tests/property/test_teeth.py:
+    ``monkeypatch.setattr(BlockPool, "free_blocks", ...)``); the one-pass forms must then make
+    the ordinary (planted) calls. Hand count, pool of 6: block 1 taken; ``free_then_get([1],
+    1)`` frees 1 through the planted call (to the head) and pops it back. Blocks 2, 3 taken;
+    ``cache_then_free([2], H0, (0,), [3])`` publishes 2 and frees 3 through the planted call.
+    ``get_then_cache`` declines (None): the caller makes the two calls. (fused_calls compared
+    the class against BlockPool itself, so a rule planted on BlockPool was never seen.)"""
+    seen: list[list[int]] = []
+    own = BlockPool.free_blocks
+
+    def noting(self: BlockPool, blocks) -> None:  # type: ignore[no-untyped-def]
+        blocks = list(blocks)
+        seen.append([b.block_id for b in blocks])
+        own(self, blocks)
+
+    monkeypatch.setattr(BlockPool, "free_blocks", noting)
+    pool = BlockPool(6)
+    assert not pool.fused_calls
+    b1 = pool.get_new_blocks(1)
+    got = free_then_get(pool, b1, 1)
+    assert got is not None and [b.block_id for b in got] == [1]
+    assert seen == [[1]]
+    held = pool.get_new_blocks(2)
+    assert [b.block_id for b in held] == [2, 3]
+    cache_then_free(pool, [held[0]], H[0], (0,), [held[1]])
+    assert seen == [[1], [3]]
+    assert _map(pool) == {0: {H[0]: 2}}
+    assert get_then_cache(pool, 2, H[1:3], 0) is None
+    pool.check_invariants()
+
+
+def test_fused_calls_still_true_for_a_plain_pool_after_a_patch_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:
+    with monkeypatch.context() as mp:
+        mp.setattr(BlockPool, "get_new_blocks", lambda self, n: [])
+        assert not BlockPool(4).fused_calls
+    assert BlockPool(4).fused_calls
+
+
+def test_cache_then_free_with_a_state_listed_twice_equals_cache_state_blocks() -> None:
+    """A misuse the two calls absorb: one block given as the state of groups 0 and 1 (both
+    groups already have a map). ``cache_state_blocks`` publishes it in group 0 only (a block
+    carries one hash and one group; the second entry is skipped as already hashed). The
+    inlined map insert of ``cache_then_free`` used to map it in group 1 as well and move its
+    group to 1: group 0's map then held a block of group 1 (check_invariants: mapped wrongly).
+    Hand count, pool of 6: blocks 1, 2, 3 taken; 3 under Y in group 0, 2 under Z in group 1;
+    then block 1 under X for groups (0, 1) -> {0: {Y: 3, X: 1}, 1: {Z: 2}}, block 1 in group 0."""
+    x, y, z = b"x" * 16, b"y" * 16, b"z" * 16
+    maps = []
+    for fused in (True, False):
+        pool = BlockPool(6)
+        b = pool.get_new_blocks(3)
+        pool.cache_full_blocks([b[2]], [y], 0)
+        pool.cache_full_blocks([b[1]], [z], 1)
+        if fused:
+            cache_then_free(pool, [b[0], b[0]], x, (0, 1), [])
+        else:
+            pool.cache_state_blocks([b[0], b[0]], x, (0, 1))
+        assert _map(pool) == {0: {y: 3, x: 1}, 1: {z: 2}}, fused
+        assert b[0].block_hash == x and b[0].cache_group_id == 0
+        pool.check_invariants()
+        maps.append(_map(pool))
+    assert maps[0] == maps[1]
