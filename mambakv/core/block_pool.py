@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 from mambakv.core.block import FreeBlockQueue, KVCacheBlock
@@ -68,7 +69,9 @@ class BlockPool:
         self.num_reserved_blocks = 0
         #: the class keeps BlockPool's own free / requeue / get / cache calls, so the one-pass
         #: forms of ``mambakv.core.pool_fused`` may stand in for them (read-only)
-        self.fused_calls = keeps_calls(type(self), BlockPool, _FUSED_CALLS)
+        #: (compared with the calls as this module defined them: a rule planted on BlockPool
+        #: itself, as the teeth tests do, opts out too)
+        self.fused_calls = keeps_calls(type(self), _OWN_CALLS, _FUSED_CALLS)
 
     @property
     def num_evictions(self) -> int:
@@ -315,3 +318,7 @@ class BlockPool:
         before every cached one; the map holds exactly the hashed blocks, each under its own
         hash and group."""
         check_pool(self)  # mambakv.core.pool_checks
+
+
+#: BlockPool's own versions of the fused calls, taken at import (``BlockPool.fused_calls``)
+_OWN_CALLS = SimpleNamespace(**{n: BlockPool.__dict__[n] for n in _FUSED_CALLS})

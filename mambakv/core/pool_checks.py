@@ -26,10 +26,12 @@ if TYPE_CHECKING:
 __all__ = ["check_pool", "checked_block_ids", "first_duplicate_id", "keeps_calls", "undo_free"]
 
 
-def keeps_calls(cls: type, base: type, names: Iterable[str]) -> bool:
+def keeps_calls(cls: type, base: object, names: Iterable[str]) -> bool:
     """True when `cls` keeps `base`'s own version of every method in `names`: a subclass that
     changes one (a teeth test's planted rule, an engine's own pool or policy) opts out of the
-    one-pass forms that stand in for them (``BlockPool.fused_calls``, a manager's ``chunks``)."""
+    one-pass forms that stand in for them (``BlockPool.fused_calls``, a manager's ``chunks``).
+    `base` may also be a namespace of the original functions, taken at import, so that a
+    rule planted on the base class itself is seen too."""
     return all(getattr(cls, n) is getattr(base, n) for n in names)
 
 

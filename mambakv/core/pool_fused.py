@@ -131,7 +131,7 @@ def cache_then_free(pool: BlockPool, states: Sequence[KVCacheBlock], block_hash:
         maps = pool.prefix_map.maps
         for block, group_id in zip(states, group_ids):
             m = maps.get(group_id)
-            if m is None or block_hash in m:
+            if m is None or block_hash in m or block.block_hash is not None:  # (hashed: a state listed twice)
                 map_state(maps, (block,), block_hash, (group_id,))
                 continue
             block.block_hash = block_hash
