@@ -79,3 +79,48 @@ def test_cache_then_free_with_a_state_listed_twice_equals_cache_state_blocks() -
         pool.check_invariants()
         maps.append(_map(pool))
     assert maps[0] == maps[1]
+
+
+def test_chunk_path_honours_a_rule_planted_on_mamba_manager_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The teeth test ``test_fuzzer_catches_stop_at_first_null_retirement`` plants
+    ``MambaManager.retire_slots`` on the class itself; the chunk retire (which stands in for
+    ``retire_slots``) must then step aside, as for a subclass. Hand count: FA 16 + Mamba 16
+    (nspec 0), prompt 100: admission to 32, chunk to 64, retire 64: the Mamba group retires
+    ``(64 - 1) // 16 = 3`` slots through the planted call, once. (``chunks`` compared the class
+    with MambaManager itself: True, and the chunk retire bypassed the planted rule.)"""
+    from mambakv import Request
+    from mambakv.groups import MambaManager
+    from tests.coord_helpers import coordinator, fa_spec
+    from tests.helpers import mamba_spec
+
+    seen: list[int] = []
+    own = MambaManager.retire_slots
+
+    def noting(self, table, num_slots):  # type: ignore[no-untyped-def]
+        seen.append(num_slots)
+        own(self, table, num_slots)
+
+    monkeypatch.setattr(MambaManager, "retire_slots", noting)
+    c = coordinator(40, fa_spec(16), mamba_spec(16, 0), max_model_len=2048)
+    assert not any(m.chunks for m in c.mamba_managers)
+    req = Request("a", list(range(100)))
+    c.allocate(req, 32, num_draft_tokens=0)
+    req.num_computed_tokens = 32
+    c.allocate(req, 32, num_draft_tokens=0)
+    req.num_computed_tokens = 64
+    c.retire("a", 64)
+    assert seen == [3]
+    c.check_invariants()
+
+
+def test_chunk_path_honours_a_rule_planted_on_the_base_manager_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same for an attention policy: a rule planted on SingleTypeKVCacheManager's
+    ``allocate_new_blocks`` turns the attention chunk path off."""
+    from mambakv.groups.base import SingleTypeKVCacheManager
+    from tests.coord_helpers import coordinator, fa_spec
+
+    own = SingleTypeKVCacheManager.allocate_new_blocks
+    monkeypatch.setattr(SingleTypeKVCacheManager, "allocate_new_blocks",
+                        lambda self, *a, **k: own(self, *a, **k))
+    c = coordinator(40, fa_spec(16), max_model_len=2048)
+    assert not any(m.chunks for m in c.managers)
