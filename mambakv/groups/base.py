@@ -30,7 +30,7 @@ from mambakv.core.errors import InvalidRequestError
 from mambakv.core.events import stored_event_fields
 from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheSpec
-from mambakv.groups.chunks import ChunkMixin, chunks_fusable
+from mambakv.groups.chunks import ChunkMixin, chunks_fusable, record_own_steps
 from mambakv.groups.kinds import GroupKind
 from mambakv.groups.release import ReleaseMixin
 from mambakv.groups.tables import (  # re-exported: base.py is the 0.1 home of these names
@@ -274,3 +274,5 @@ class SingleTypeKVCacheManager(ReleaseMixin, ChunkMixin, ABC):
             for b in blocks:
                 assert b is null or b.ref_cnt >= 1, f"{rid}: held block {b.block_id} at ref 0"
             assert 0 <= t.num_cached_blocks <= len(blocks), f"{rid}: cached cursor {t.num_cached_blocks} outside"
+
+record_own_steps(SingleTypeKVCacheManager, _CHUNK_STEPS)  # (chunks_fusable: a rule planted on the class opts out)

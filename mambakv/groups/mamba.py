@@ -41,7 +41,7 @@ from mambakv.core.events import stored_event_fields
 from mambakv.core.request import Request
 from mambakv.core.spec import DecodeCheckpoints, MambaCacheMode, MambaSpec
 from mambakv.groups.base import NEVER, BlockTable, group_block_hashes, num_evictable
-from mambakv.groups.chunks import chunks_fusable
+from mambakv.groups.chunks import chunks_fusable, record_own_steps
 from mambakv.groups.drafts import MambaTable
 from mambakv.groups.kinds import GroupKind
 from mambakv.groups.mamba_chunk import MAMBA_CHUNK_STEPS, MambaChunkMixin
@@ -261,3 +261,5 @@ class MambaManager(MambaReleaseMixin, ColumnsMixin, MambaChunkMixin, FusedStepMi
         t: MambaTable = table  # type: ignore[assignment]
         if t.decode_steps:
             self._settle_decode(t, num_processed_tokens)
+
+record_own_steps(MambaManager, MAMBA_CHUNK_STEPS)  # (chunks_fusable: a rule planted on the class opts out)
