@@ -124,3 +124,31 @@ def test_chunk_path_honours_a_rule_planted_on_the_base_manager_itself(monkeypatc
                         lambda self, *a, **k: own(self, *a, **k))
     c = coordinator(40, fa_spec(16), max_model_len=2048)
     assert not any(m.chunks for m in c.managers)
+
+
+def test_chunk_path_honours_a_planted_attention_cache_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cache_blocks`` is one of the general-path steps the attention chunk stands in for
+    (``get_then_cache`` publishes without it, and the coordinator no longer calls it when every
+    policy returned its counts), so a rule planted on it must turn the chunk path off. Hand
+    count: FA 16, prompt 100: admission to 32 publishes 2 blocks, the chunk to 64 two more:
+    the planted call sees num_tokens 32, then 64, and the table is published to 4 blocks."""
+    from mambakv import Request
+    from mambakv.groups.base import SingleTypeKVCacheManager
+    from tests.coord_helpers import coordinator, fa_spec
+
+    seen: list[int] = []
+    own = SingleTypeKVCacheManager.cache_blocks
+
+    def noting(self, request, num_tokens):  # type: ignore[no-untyped-def]
+        seen.append(num_tokens)
+        own(self, request, num_tokens)
+
+    monkeypatch.setattr(SingleTypeKVCacheManager, "cache_blocks", noting)
+    c = coordinator(40, fa_spec(16), max_model_len=2048)
+    req = Request("a", list(range(100)))
+    c.allocate(req, 32, num_draft_tokens=0)
+    req.num_computed_tokens = 32
+    c.allocate(req, 32, num_draft_tokens=0)
+    assert seen == [32, 64]
+    view = c.describe("a")
+    assert view is not None and view.tables[0].num_cached_blocks == 4
