@@ -52,7 +52,7 @@ __all__ = ["NEVER", "BlockHashView", "BlockTable", "RequestBlocks", "SingleTypeK
 
 #: the general path's steps that the chunk path stands in for: a subclass changing one opts out
 _CHUNK_STEPS = ("get_num_blocks_to_allocate", "count_columns", "allocate_new_blocks", "allocate_columns",
-                "dead_slots", "settle", "thresholds")
+                "dead_slots", "settle", "thresholds", "cache_blocks")  # (get_then_cache publishes without cache_blocks)
 
 
 class SingleTypeKVCacheManager(ReleaseMixin, ChunkMixin, ABC):
