@@ -165,10 +165,9 @@ class CoordinatorQueries(CoordinatorPools):
             return {}
         self._copies_pending = False
         out = {}
-        for m in self.mamba_managers:  # m.take_copy_plan(), inlined
-            plan = m._copy_plan
+        for m in self.mamba_managers:
+            plan = m.take_copy_plan()
             if plan:
-                m._copy_plan = []
                 out[m.kv_cache_group_id] = plan
         return out
 

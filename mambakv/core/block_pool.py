@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
-from types import SimpleNamespace
 from typing import Any
 
+from mambakv.core import pool_checks
 from mambakv.core.block import FreeBlockQueue, KVCacheBlock
 from mambakv.core.errors import DoubleFreeError, InvalidBlockError, InvalidTokenCountError, OutOfBlocksError
 from mambakv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from mambakv.core.pool_checks import check_pool, checked_block_ids, first_duplicate_id, keeps_calls, undo_free
+from mambakv.core.pool_checks import check_pool, checked_block_ids, first_duplicate_id, undo_free
 from mambakv.core.prefix_map import PrefixMap
 
 __all__ = ["AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "KVCacheEvent"]
@@ -71,7 +71,7 @@ class BlockPool:
         #: forms of ``mambakv.core.pool_fused`` may stand in for them (read-only)
         #: (compared with the calls as this module defined them: a rule planted on BlockPool
         #: itself, as the teeth tests do, opts out too)
-        self.fused_calls = keeps_calls(type(self), _OWN_CALLS, _FUSED_CALLS)
+        self.fused_calls = pool_checks.keeps_calls(type(self), BlockPool, _FUSED_CALLS)
 
     @property
     def num_evictions(self) -> int:
@@ -320,5 +320,4 @@ class BlockPool:
         check_pool(self)  # mambakv.core.pool_checks
 
 
-#: BlockPool's own versions of the fused calls, taken at import (``BlockPool.fused_calls``)
-_OWN_CALLS = SimpleNamespace(**{n: BlockPool.__dict__[n] for n in _FUSED_CALLS})
+pool_checks.record_own_calls(BlockPool, _FUSED_CALLS)  # (fused_calls: a rule planted on BlockPool opts out)

@@ -23,16 +23,28 @@ from mambakv.core.errors import DoubleFreeError, InvalidBlockError
 if TYPE_CHECKING:
     from mambakv.core.block_pool import BlockPool
 
-__all__ = ["check_pool", "checked_block_ids", "first_duplicate_id", "keeps_calls", "undo_free"]
+__all__ = ["check_pool", "checked_block_ids", "first_duplicate_id", "keeps_calls", "record_own_calls", "undo_free"]
+
+#: base class -> its own versions of the calls a one-pass form stands in for, taken at import
+_OWN_CALLS: dict[type, dict[str, object]] = {}
 
 
-def keeps_calls(cls: type, base: object, names: Iterable[str]) -> bool:
-    """True when `cls` keeps `base`'s own version of every method in `names`: a subclass that
-    changes one (a teeth test's planted rule, an engine's own pool or policy) opts out of the
-    one-pass forms that stand in for them (``BlockPool.fused_calls``, a manager's ``chunks``).
-    `base` may also be a namespace of the original functions, taken at import, so that a
-    rule planted on the base class itself is seen too."""
-    return all(getattr(cls, n) is getattr(base, n) for n in names)
+def record_own_calls(base: type, names: Iterable[str]) -> None:
+    """Keep `base`'s own versions of `names` (called once, right after the class is defined),
+    so that ``keeps_calls`` also sees a rule planted on `base` itself (the teeth tests'
+    ``monkeypatch.setattr(BlockPool, ...)`` / ``(MambaManager, ...)``)."""
+    _OWN_CALLS[base] = {n: getattr(base, n) for n in names}
+
+
+def keeps_calls(cls: type, base: type, names: Iterable[str]) -> bool:
+    """True when `cls` keeps `base`'s own version of every method in `names` (as `base` defined
+    them, when ``record_own_calls`` kept them): a subclass that changes one, or a rule planted
+    on `base` itself (a teeth test's, an engine's own pool or policy), opts out of the one-pass
+    forms that stand in for them (``BlockPool.fused_calls``, a manager's ``chunks``)."""
+    own = _OWN_CALLS.get(base)
+    if own is None:
+        return all(getattr(cls, n) is getattr(base, n) for n in names)
+    return all(getattr(cls, n) is own[n] for n in names)
 
 
 def first_duplicate_id(blocks: Iterable[KVCacheBlock]) -> int:

@@ -28,9 +28,10 @@ from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
 from mambakv.core.errors import InvalidRequestError
 from mambakv.core.events import stored_event_fields
+from mambakv.core.pool_checks import record_own_calls
 from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheSpec
-from mambakv.groups.chunks import ChunkMixin, chunks_fusable, record_own_steps
+from mambakv.groups.chunks import ChunkMixin, chunks_fusable
 from mambakv.groups.kinds import GroupKind
 from mambakv.groups.release import ReleaseMixin
 from mambakv.groups.tables import (  # re-exported: base.py is the 0.1 home of these names
@@ -275,4 +276,4 @@ class SingleTypeKVCacheManager(ReleaseMixin, ChunkMixin, ABC):
                 assert b is null or b.ref_cnt >= 1, f"{rid}: held block {b.block_id} at ref 0"
             assert 0 <= t.num_cached_blocks <= len(blocks), f"{rid}: cached cursor {t.num_cached_blocks} outside"
 
-record_own_steps(SingleTypeKVCacheManager, _CHUNK_STEPS)  # (chunks_fusable: a rule planted on the class opts out)
+record_own_calls(SingleTypeKVCacheManager, _CHUNK_STEPS)  # (chunks_fusable: a rule planted on the class opts out)

@@ -19,7 +19,6 @@ replays both side by side). This module holds the attention kinds' half; Mamba's
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from mambakv.core.block import KVCacheBlock
@@ -32,26 +31,15 @@ from mambakv.groups.tables import BlockTable, group_block_hashes
 if TYPE_CHECKING:
     from mambakv.groups.base import SingleTypeKVCacheManager
 
-__all__ = ["ChunkMixin", "chunks_fusable", "record_own_steps"]
-
-
-#: base class -> its own versions of the steps the chunk path stands in for, taken at import
-_OWN_STEPS: dict[type, SimpleNamespace] = {}
-
-
-def record_own_steps(base: type, names: tuple[str, ...]) -> None:
-    """Keep `base`'s own versions of `names` (called once, right after the class is defined),
-    so that ``chunks_fusable`` also sees a rule planted on `base` itself (the teeth tests'
-    ``monkeypatch.setattr(MambaManager, ...)``)."""
-    _OWN_STEPS[base] = SimpleNamespace(**{n: getattr(base, n) for n in names})
+__all__ = ["ChunkMixin", "chunks_fusable"]
 
 
 def chunks_fusable(manager: SingleTypeKVCacheManager, base: type, names: tuple[str, ...]) -> bool:
     """True when `manager`'s class keeps `base`'s own version of every method in `names` (as
-    `base` defined them: ``record_own_steps``): a subclass that changes one, or a rule planted
+    `base` defined them: ``record_own_calls``): a subclass that changes one, or a rule planted
     on `base` itself (a teeth test's, an engine's own policy), gets the general path, so the
     chunk path never bypasses it."""
-    return keeps_calls(type(manager), _OWN_STEPS.get(base, base), names)
+    return keeps_calls(type(manager), base, names)
 
 
 class ChunkMixin:

@@ -38,10 +38,11 @@ from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
 from mambakv.core.errors import InvalidDraftCountError, InvalidTokenCountError
 from mambakv.core.events import stored_event_fields
+from mambakv.core.pool_checks import record_own_calls
 from mambakv.core.request import Request
 from mambakv.core.spec import DecodeCheckpoints, MambaCacheMode, MambaSpec
 from mambakv.groups.base import NEVER, BlockTable, group_block_hashes, num_evictable
-from mambakv.groups.chunks import chunks_fusable, record_own_steps
+from mambakv.groups.chunks import chunks_fusable
 from mambakv.groups.drafts import MambaTable
 from mambakv.groups.kinds import GroupKind
 from mambakv.groups.mamba_chunk import MAMBA_CHUNK_STEPS, MambaChunkMixin
@@ -262,4 +263,4 @@ class MambaManager(MambaReleaseMixin, ColumnsMixin, MambaChunkMixin, FusedStepMi
         if t.decode_steps:
             self._settle_decode(t, num_processed_tokens)
 
-record_own_steps(MambaManager, MAMBA_CHUNK_STEPS)  # (chunks_fusable: a rule planted on the class opts out)
+record_own_calls(MambaManager, MAMBA_CHUNK_STEPS)  # (chunks_fusable: a rule planted on the class opts out)
