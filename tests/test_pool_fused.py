@@ -114,3 +114,25 @@ def test_get_new_blocks_one_walk_keeps_queue_order_and_evicts() -> None:
     assert list(pool.cached_block_hash_to_block[0]) == [H[1]]
     assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()] == [2]
     pool.check_invariants()
+
+
+def test_get_then_cache_evicts_a_cached_block_it_takes_past_the_hashes() -> None:
+    """Hand count: 6 blocks; 1 and 2 cached under h0, h1 and freed (queue 3, 4, 5, 1, 2).
+    Taking 4 with 3 new hashes publishes 3, 4, 5 and takes block 1 unhashed: h0 is evicted
+    (one eviction), h1 stays, as with get_new_blocks(4) then cache_full_blocks of the first 3."""
+    pools = []
+    for _ in range(2):
+        pool = BlockPool(6)
+        old = pool.get_new_blocks(2)
+        pool.cache_full_blocks(old, H[:2], 0)
+        pool.free_blocks(old)
+        pools.append(pool)
+    fused, plain = pools
+    new = get_then_cache(fused, 4, H[4:7], 0)
+    assert new is not None and [b.block_id for b in new] == [3, 4, 5, 1]
+    two = plain.get_new_blocks(4)
+    plain.cache_full_blocks(two[:3], H[4:7], 0)
+    assert snapshot(fused) == snapshot(plain)
+    assert fused.num_evictions == 1 and new[3].block_hash is None
+    assert list(fused.cached_block_hash_to_block[0]) == [H[1], H[4], H[5], H[6]]
+    fused.check_invariants()

@@ -87,17 +87,11 @@ def get_then_cache(pool: BlockPool, num_blocks: int, block_hashes: Sequence[byte
         walk.cache_group_id = group_id
         new.append(walk)
         walk = nxt
-    for _ in range(num_blocks - num_hashed):  # the rest: taken only
-        nxt = walk.next_free_block
-        walk.prev_free_block = walk.next_free_block = None
-        walk.ref_cnt = 1
-        if walk.block_hash is not None:
-            pm.remove(walk)
-        new.append(walk)
-        walk = nxt
     head.next_free_block = walk
     walk.prev_free_block = head
-    q.num_free_blocks -= num_blocks
+    q.num_free_blocks -= num_hashed
+    if num_blocks > num_hashed:  # the rest: taken only (evictions still before the map update)
+        new += pool.get_new_blocks(num_blocks - num_hashed)
     m.update(zip(block_hashes, new))
     return new
 
