@@ -19,6 +19,16 @@ def snapshot(pool: BlockPool) -> tuple[object, ...]:
             pool.num_evictions)
 
 
+def cached_and_freed(num_blocks: int) -> BlockPool:
+    """A pool whose blocks 1 and 2 were cached under H[0], H[1] and freed (the queue reads
+    3 .. num_blocks - 1, then 1, 2)."""
+    pool = BlockPool(num_blocks)
+    old = pool.get_new_blocks(2)
+    pool.cache_full_blocks(old, H[:2], 0)
+    pool.free_blocks(old)
+    return pool
+
+
 def test_real_slots_deepest_first_with_the_chunk_case_by_count() -> None:
     """Slots of `blocks` in [low, stop) that hold a real block, deepest first."""
     null, a, b = KVCacheBlock(0), KVCacheBlock(1), KVCacheBlock(2)
@@ -47,14 +57,7 @@ def test_get_then_cache_equals_get_then_cache_full_blocks() -> None:
     """Hand count: 10 blocks; blocks 1 and 2 cached and freed, so the queue reads
     3..9, 1, 2. Taking 4 with 3 hashes pops 3, 4, 5, 6 (none hashed: nothing evicted) and
     publishes 3, 4, 5 under h4..h6 in group 0."""
-    pools = []
-    for _ in range(2):
-        pool = BlockPool(10)
-        old = pool.get_new_blocks(2)
-        pool.cache_full_blocks(old, H[:2], 0)
-        pool.free_blocks(old)
-        pools.append(pool)
-    fused, plain = pools
+    fused, plain = cached_and_freed(10), cached_and_freed(10)
     new = get_then_cache(fused, 4, H[4:7], 0)
     assert new is not None and [b.block_id for b in new] == [3, 4, 5, 6]
     two = plain.get_new_blocks(4)
@@ -103,10 +106,7 @@ def test_cache_then_free_leaves_the_null_block_unpublished() -> None:
 def test_get_new_blocks_one_walk_keeps_queue_order_and_evicts() -> None:
     """Hand count: 6 blocks; blocks 1, 2 cached and freed (queue 3, 4, 5, 1, 2). Taking 4
     pops 3, 4, 5 and 1, evicting block 1's hash only."""
-    pool = BlockPool(6)
-    old = pool.get_new_blocks(2)
-    pool.cache_full_blocks(old, H[:2], 0)
-    pool.free_blocks(old)
+    pool = cached_and_freed(6)
     got = pool.get_new_blocks(4)
     assert [b.block_id for b in got] == [3, 4, 5, 1]
     assert all(b.ref_cnt == 1 and b.prev_free_block is None and b.next_free_block is None for b in got)
@@ -120,14 +120,7 @@ def test_get_then_cache_evicts_a_cached_block_it_takes_past_the_hashes() -> None
     """Hand count: 6 blocks; 1 and 2 cached under h0, h1 and freed (queue 3, 4, 5, 1, 2).
     Taking 4 with 3 new hashes publishes 3, 4, 5 and takes block 1 unhashed: h0 is evicted
     (one eviction), h1 stays, as with get_new_blocks(4) then cache_full_blocks of the first 3."""
-    pools = []
-    for _ in range(2):
-        pool = BlockPool(6)
-        old = pool.get_new_blocks(2)
-        pool.cache_full_blocks(old, H[:2], 0)
-        pool.free_blocks(old)
-        pools.append(pool)
-    fused, plain = pools
+    fused, plain = cached_and_freed(6), cached_and_freed(6)
     new = get_then_cache(fused, 4, H[4:7], 0)
     assert new is not None and [b.block_id for b in new] == [3, 4, 5, 1]
     two = plain.get_new_blocks(4)
