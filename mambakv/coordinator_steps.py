@@ -13,6 +13,7 @@ of walking the general path (count, commit per column, checkpoint writes, public
 thresholds, one call each)::
 
     allocate   chunk_need (every policy; any -1: general path)  ->  pool check  ->  grow_chunk
+               (each returns its table's counts; blocks left to publish: cache_blocks, recount)
     retire     chunk_retire_ok (each policy whose next event came; any False: general)
                ->  retire_chunk (those policies; the others have nothing to do)
 
@@ -124,7 +125,8 @@ class CoordinatorSteps:
 
     def _retire_chunk(self, live: RequestState, num_processed_tokens: int) -> bool:
         """``retire`` of a request whose every policy is in a chunk's state (its checks
-        passed): publish, retire, recount; False (nothing changed) for the general path."""
+        passed): publish, retire, and recount when a policy's thresholds moved; False (nothing
+        changed) for the general path."""
         policies, tables, events = self.policies, live.tables, live.events
         for p, t, e in zip(policies, tables, events):  # a policy below its own next event has nothing to do
             if e <= num_processed_tokens and not p.chunk_retire_ok(t, num_processed_tokens):
@@ -136,9 +138,10 @@ class CoordinatorSteps:
                 events[i], m = policies[i].retire_chunk(request, tables[i], num_processed_tokens)
                 if m:
                     moved = True
-        live.retire_quiet = min(events)
         if moved:  # a publication or a retirement moved some policy's thresholds: recount
             live.recount(policies)
+        else:
+            live.retire_quiet = min(events)
         return True
 
     def _allocate_slow(self, request: Request, live: RequestState | None, num_new_computed_tokens: int,

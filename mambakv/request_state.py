@@ -7,9 +7,9 @@ step O(1)::
     num_scheduled   the most tokens any allocate covered     retire may not pass it
     num_covered     tokens every table covers (lookahead too) allocate below it takes no block
     quiet_tokens    a step without drafts up to here changes  allocate: no per-group call
-                    nothing but counts (0: recompute)
+                    nothing but counts (0 until counted)
     retire_quiet    below this processed count no group       retire: no per-group call
-                    publishes, retires or raises (0: recompute)
+                    publishes, retires or raises (0 until counted)
     events          per policy, its own next event (the       retire: a policy below its
                     minimum is retire_quiet)                  own is skipped
 """

@@ -121,16 +121,8 @@ def cache_then_free(pool: BlockPool, states: Sequence[KVCacheBlock], block_hash:
         if freed:
             pool.free_blocks(freed)
         return
-    if block_hash is not None:  # map_state, inlined for the common entry (the hash new to the group)
-        maps = pool.prefix_map.maps
-        for block, group_id in zip(states, group_ids):
-            m = maps.get(group_id)
-            if m is None or block_hash in m or block.block_hash is not None:  # (hashed: a state listed twice)
-                map_state(maps, (block,), block_hash, (group_id,))
-                continue
-            block.block_hash = block_hash
-            block.cache_group_id = group_id
-            m[block_hash] = block
+    if block_hash is not None:
+        map_state(pool.prefix_map.maps, states, block_hash, group_ids)
     q = pool.free_block_queue
     tail = q.tail
     last = tail.prev_free_block

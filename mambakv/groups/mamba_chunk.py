@@ -24,6 +24,7 @@ from mambakv.core.pool_fused import cache_then_free
 from mambakv.core.request import Request
 from mambakv.groups.drafts import MambaTable
 from mambakv.groups.mamba_queries import QueriesMixin
+from mambakv.groups.mamba_steps import AlignStep
 from mambakv.groups.tables import BlockTable, group_block_hashes, real_slots
 
 __all__ = ["MAMBA_CHUNK_STEPS", "MambaChunkMixin"]
@@ -86,7 +87,7 @@ class MambaChunkMixin(QueriesMixin):
             if list_writes:
                 m._writes.append((rid, block_id, num_tokens))
             out.append([block])
-        self._record_grow(t, running, num_tokens)
+        self._record_step(t, running, num_tokens, 0, AlignStep.GROW)
         covered = (running + 1) * bs
         nxt = (t.retired_below + 1) * bs + 1  # next_event(), inlined: a chunk's tags and watermark only
         for pos in t.positions.values():

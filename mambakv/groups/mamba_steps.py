@@ -149,18 +149,6 @@ class AlignStepsMixin(DraftsMixin):
             blocks.append(block)
             blocks[slot] = null
 
-    def _record_grow(self, t: MambaTable, running: int, num_tokens: int) -> None:
-        """``_record_step`` of a GROW step without drafts and with none pending (the fused paths'
-        case): the running slot moves; the new running block is tagged iff the step ends on its
-        boundary."""
-        t.running_slot = running
-        t.num_tokens = num_tokens
-        t.last_step = AlignStep.GROW
-        if self.enable_caching and num_tokens == (running + 1) * self.block_size:
-            t.positions[running] = num_tokens
-        elif t.positions:
-            t.positions.pop(running, None)
-
     def _record_step(self, t: MambaTable, running: int, num_tokens: int, num_drafts: int, case: AlignStep) -> None:
         """Remember the step, and tag the running block with the position its state will hold
         after the forward if that position is the slot's boundary (only such a state can ever
