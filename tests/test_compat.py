@@ -37,3 +37,33 @@ def test_top_level_names_and_old_paths_agree() -> None:
     from mambakv.sim import RequestSpec, Scheduler  # noqa: F401
 
     assert mambakv.BlockPool is BlockPool and mambakv.KVCacheCoordinator is KVCacheCoordinator
+
+
+#: public names each 0.1 module had, defined there or imported into it (from the 0.1 sources),
+#: less the ones removed on purpose (LazyMambaManager, allocate_hybrid_layout, coarse_block_hashes)
+OLD_NAMES = {
+    "mambakv.block_pool": ["AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "DoubleFreeError",
+                           "FreeBlockQueue", "InvalidBlockError", "InvalidTokenCountError", "KVCacheBlock",
+                           "KVCacheEvent", "OutOfBlocksError"],
+    "mambakv.managers": ["BlockPool", "FullAttentionSpec", "InvalidSpecError", "KVCacheSpec", "MambaCacheMode",
+                         "MambaManager", "MambaSpec", "SlidingWindowSpec", "make_manager"],
+    "mambakv.managers.base": ["BlockHashView", "BlockPool", "HashBlockSizeMismatchError", "InvalidTokenCountError",
+                              "KVCacheBlock", "KVCacheSpec", "Request", "RequestBlocks", "SingleTypeKVCacheManager",
+                              "cdiv", "group_block_hashes"],
+    "mambakv.managers.mamba": ["BlockPool", "InvalidDraftCountError", "InvalidTokenCountError", "KVCacheBlock",
+                               "KVCacheSpec", "MambaCacheMode", "MambaManager", "MambaSpec", "Request",
+                               "RequestBlocks", "SingleTypeKVCacheManager", "as_count", "cdiv", "group_block_hashes"],
+    "mambakv.state_pool": ["DTYPE_SIZES", "InvalidCopyPlanError", "InvalidSpecError", "MambaSpec", "MambaStatePool",
+                           "carve_state_views", "default_device", "export_block_table", "export_block_tables",
+                           "torch_dtype"],
+    "mambakv.layout": ["DTYPE_SIZES", "AttentionSpec", "HybridLayout", "InvalidSpecError", "KVCacheConfig",
+                       "MambaSpec", "MambaStatePool", "carve_state_views", "check_uniform_page_size",
+                       "default_device", "torch_dtype"],
+}
+
+
+@pytest.mark.parametrize("old", sorted(OLD_NAMES))
+def test_old_module_path_keeps_the_01_names(old: str) -> None:
+    """``from mambakv.block_pool import FreeBlockQueue`` and the like, which 0.1 code could write."""
+    module = importlib.import_module(old)
+    assert [n for n in OLD_NAMES[old] if not hasattr(module, n)] == []
