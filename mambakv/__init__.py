@@ -27,6 +27,7 @@ from mambakv.core.errors import (
     MambaKVError,
     ModelConfigError,
     OutOfBlocksError,
+    ReadOnlyResultError,
     StaleCacheHitError,
     TraceFormatError,
 )
@@ -74,7 +75,7 @@ __all__ = [
     "LoadPendingError", "LoadPlan",
     "DecodeCheckpoints", "KVCacheConfig", "KVCacheCoordinator", "KVCacheGroupSpec", "KVCacheSpec", "MambaCacheMode",
     "MambaKVError",
-    "MambaManager", "MambaSpec", "MambaStatePool", "ModelConfigError", "OutOfBlocksError", "PrefixCacheStats",
+    "MambaManager", "MambaSpec", "MambaStatePool", "ModelConfigError", "OutOfBlocksError", "PrefixCacheStats", "ReadOnlyResultError",
     "Request", "SingleTypeKVCacheManager", "SlidingWindowManager", "SlidingWindowSpec", "StaleCacheHitError", "StatePlan",
     "Tier", "TieredHit", "TraceFormatError", "Transfer", "TransferPlan", "hash_block_tokens", "init_none_hash",
 ]

@@ -141,7 +141,7 @@ class KVCacheCoordinator(CoordinatorSteps, CoordinatorHost, CoordinatorResults, 
         #: group checks its own rule above this); no limit without Mamba groups
         self._max_drafts = min((m.num_speculative_blocks for m in self.mamba_managers), default=1 << 62)
         self._no_hits: tuple[tuple[()], ...] = ((),) * len(self.managers)
-        self._empty_blocks = KVCacheBlocks(tuple([] for _ in self.managers))
+        self._empty_blocks = KVCacheBlocks.shared_empty(len(self.managers))  # changes to it raise
         #: hits must end on a multiple of every group's block size
         self.alignment_tokens = math.lcm(*sizes)
         self._hits = PrefixHitFinder(self.managers, self.alignment_tokens)
@@ -184,7 +184,7 @@ class KVCacheCoordinator(CoordinatorSteps, CoordinatorHost, CoordinatorResults, 
         (the retire stands when the pool is short or a group refuses the step); None: no retire.
 
         Returns the newly allocated blocks per group (a shared empty result when no group got a
-        block: do not mutate it), or None when the pool cannot supply them (hit blocks still in
+        block: its lists raise ReadOnlyResultError on an addition), or None when the pool cannot supply them (hit blocks still in
         the free queue count too): then nothing changed. It never retires.
 
         Raises (nothing changed):

@@ -63,7 +63,8 @@ class CoordinatorQueries(CoordinatorPools):
         ``use_eagle``, the fixed point is then recomputed once from the next aligned length
         below it. The blocks are not pinned until ``allocate``.
 
-        Returns ``(blocks per group, hit tokens)``.
+        Returns ``(blocks per group, hit tokens)``; a miss returns the shared empty result
+        (``KVCacheBlocks.shared_empty``: its lists raise ReadOnlyResultError on an addition).
 
         Raises:
             InvalidRequestError: `request` is not a Request.

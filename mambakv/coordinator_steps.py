@@ -239,7 +239,7 @@ class CoordinatorSteps:
             self._copies_pending = self._zeros_pending = True
         if self.units is not None:
             self.units.settle()
-        if not any_new:  # most decode steps need no block: one shared empty result (do not mutate it)
+        if not any_new:  # most decode steps need no block: one shared empty result (its lists refuse additions)
             return self._empty_blocks
         out = tuple(new_blocks)
         self._new_results.append(out)  # ids are read only if a plan is taken

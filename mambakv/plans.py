@@ -13,20 +13,60 @@ All plan types are immutable named tuples. A step's plan is drained with
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple, NoReturn, SupportsIndex
 
 from mambakv.core.block import KVCacheBlock
+from mambakv.core.errors import ReadOnlyResultError
 from mambakv.core.transfers import LoadPlan
 
-__all__ = ["EMPTY_STEP_PLAN", "GroupPlan", "KVCacheBlocks", "RequestView", "StepPlan", "TableView", "TieredHit"]
+__all__ = ["EMPTY_STEP_PLAN", "GroupPlan", "KVCacheBlocks", "RequestView", "SharedEmptyList", "StepPlan", "TableView", "TieredHit"]
 
 
-@dataclass
+class SharedEmptyList(list[KVCacheBlock]):
+    """A group's list in the shared empty result (``KVCacheBlocks.shared_empty``): it reads as
+    an empty list; every change that could add a block raises ReadOnlyResultError, since every caller holds the same
+    object (a decode step that takes no block allocates nothing)."""
+
+    __slots__ = ()
+
+    def _refuse(self) -> NoReturn:
+        raise ReadOnlyResultError("this empty block list is shared by every caller (a step that took no block, "
+                                  "a miss): copy it before changing it")
+
+    def append(self, item: KVCacheBlock, /) -> NoReturn:
+        self._refuse()
+
+    def extend(self, items: Iterable[KVCacheBlock], /) -> NoReturn:
+        self._refuse()
+
+    def insert(self, index: SupportsIndex, item: KVCacheBlock, /) -> NoReturn:
+        self._refuse()
+
+    def __setitem__(self, key: Any, value: Any, /) -> NoReturn:
+        self._refuse()
+
+    # (mypy checks ``+=`` against list's overloaded ``+``, which no plain method matches)
+    def __iadd__(self, items: Iterable[KVCacheBlock], /) -> SharedEmptyList:  # type: ignore[override,misc]
+        self._refuse()
+
+    def __imul__(self, n: SupportsIndex, /) -> SharedEmptyList:
+        self._refuse()
+
+
+@dataclass(frozen=True)
 class KVCacheBlocks:
-    """Blocks per KV-cache group, in config order: ``blocks[g]`` is group g's list."""
+    """Blocks per KV-cache group, in config order: ``blocks[g]`` is group g's list. Frozen: a
+    result is not rebound (its lists are the caller's, except in ``shared_empty``)."""
 
     blocks: tuple[list[KVCacheBlock], ...]
+
+    @classmethod
+    def shared_empty(cls, num_groups: int) -> KVCacheBlocks:
+        """The one empty result a coordinator hands every caller: lists that refuse changes
+        (:class:`SharedEmptyList`)."""
+        return cls(tuple(SharedEmptyList() for _ in range(num_groups)))
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in group] for group in self.blocks)

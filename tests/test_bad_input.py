@@ -382,6 +382,7 @@ def test_every_error_class_is_exported():
     import mambakv.core.errors as errors
 
     classes = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, MambaKVError)}
-    assert "InvalidCopyPlanError" in classes and len(classes) == 17  # InvalidClockError: issue 15, LoadPendingError: 17
+    assert "InvalidCopyPlanError" in classes and len(classes) == 18  # InvalidClockError: issue 15, LoadPendingError: 17,
+    # ReadOnlyResultError: the shared empty KVCacheBlocks
     for name in classes:
         assert name in mambakv.__all__ and getattr(mambakv, name) is getattr(errors, name)

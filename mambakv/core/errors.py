@@ -87,6 +87,12 @@ class LoadPendingError(MambaKVError, RuntimeError):
     load was completed / aborted that is not in flight (``complete_load``, ``abort_load``)."""
 
 
+class ReadOnlyResultError(MambaKVError, TypeError):
+    """A change to a result every caller shares: the empty ``KVCacheBlocks`` that ``allocate``
+    returns for a step that takes no block and ``get_computed_blocks`` for a miss (copy its
+    lists first: ``list(blocks.blocks[g])``)."""
+
+
 def as_seconds(value: object, name: str = "now") -> float:
     """`value` as a finite float (ints, floats, numpy numbers, any ``numbers.Real``; not bools).
 
