@@ -9,7 +9,7 @@ only. One that does, per new request::
                   (abort_load on failure). Never run hit.load before the plan's stores: with
                   write 'evict' the load's own room-making stores units that its destinations held
     blocks, n = coord.get_computed_blocks(request)      # after the load: the whole hit
-    coord.allocate(request, k, num_new_computed_tokens=n, new_computed_blocks=blocks, ...)
+    coord.allocate(request, k, num_new_computed_tokens=n, new_computed_blocks=blocks, num_draft_tokens=0)
 
 A load holds its GPU blocks (the GPU pages of the hit and the destination blocks) and pins the
 host blocks it reads until ``complete_load`` / ``abort_load``; the destinations are published

@@ -9,7 +9,7 @@ The waiting queue is FCFS; a request is admitted while the step has budget left 
     reserve_full_prompt and others run and the whole prompt does not fit  -> stop admitting
     n = next_chunk_end(request, budget, num_computed_tokens=hit) - hit   (the placement's rules;
                                                            its junction rule looks up the shared prefix)
-    allocate(request, n, num_new_computed_tokens=hit, new_computed_blocks=hits)
+    allocate(request, n, num_new_computed_tokens=hit, new_computed_blocks=hits, num_draft_tokens=0)
         None: stop admitting (nothing runs: BudgetTooSmallError)
     first admission: count prompt, hit and state-missing tokens (max(0, J - hit))
 

@@ -4,10 +4,11 @@ One step::
 
     new_step()
     running requests, in admission order:  next chunk / decode token (+ K drafts)
-        allocate(request, n)  -- None: preempt the most recently admitted request, retry
+        allocate(request, n, num_draft_tokens=K)  -- None: preempt the most recently admitted request, retry
     waiting requests, FCFS (skipped in a step that preempted):
         (host tier, first time: get_computed_blocks_tiered; a load: wait bytes / h2d_gbps, complete_load)
-        get_computed_blocks -> allocate(request, n, num_new_computed_tokens=hit, new_computed_blocks=...)
+        get_computed_blocks -> allocate(request, n, num_new_computed_tokens=hit, new_computed_blocks=...,
+                                        num_draft_tokens=0)
     run take_zero_plan() / take_copy_plan() (on the MambaStatePools when given)
     the step's results are processed `lag` steps later, oldest first:
         accept_drafts(rid, a) (+ run its copies), append a + 1 tokens, retire(rid, processed)
