@@ -172,12 +172,10 @@ def test_thousands_of_pairs():
     run_both(ref, fused, pairs, zero=list(range(1, 2 * n + 1, 7)))
 
 
-def test_plans_beyond_one_grid_launch_in_chunks(monkeypatch):
-    from mambakv.device import fused_copy
-
-    monkeypatch.setattr(fused_copy, "_MAX_GRID_X", 6)  # 2 tiles per row: 3 pairs per launch
+def test_plans_beyond_one_grid_launch_in_chunks():
     ref = MambaStatePool(SPEC, 2, 20, DEVICE, copy_backend="torch")
     fused = MambaStatePool(SPEC, 2, 20, DEVICE, copy_backend="triton", fused_tile_bytes=128)  # 176 B rows: 2 tiles
+    fused.fused_copy.max_grid_x = 6  # 2 tiles per row: 3 pairs per launch
     fill_random(ref, 4)
     fill_random(fused, 4)
     run_both(ref, fused, [(k, 10 + k) for k in range(1, 9)], zero=[19, 18, 17, 16])
@@ -324,11 +322,11 @@ def test_kernel_compiles_for_the_gpu(spec, accesses, warps):
         from triton.runtime import driver
         from triton.runtime.jit import JITFunction
 
-        from mambakv.device._fused_copy_kernel import _copy_rows
+        from mambakv.device._fused_copy_kernel import copy_rows
         saved = driver._active
     except (ImportError, AttributeError):  # pragma: no cover - depends on the triton version
         pytest.skip("this triton has no driver hook to compile without a GPU")
-    kernel = JITFunction(_copy_rows, do_not_specialize=["dst_offset", "num_tiles"])  # own cache
+    kernel = JITFunction(copy_rows, do_not_specialize=["dst_offset", "num_tiles"])  # own cache
     compiled = []
 
     class CompileOnly:

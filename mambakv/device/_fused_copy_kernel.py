@@ -22,7 +22,7 @@ from typing import Any
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-__all__ = ["COMPILED", "INTERPRETED", "triton_dtype"]
+__all__ = ["COMPILED", "INTERPRETED", "copy_rows", "triton_dtype"]
 
 _ELEM = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
@@ -33,7 +33,7 @@ def triton_dtype(elem_size: int) -> Any:
 
 
 # Triton reads a kernel's annotations as its own types, so the runtime arguments carry none.
-def _copy_rows(table_ptr, idx_ptr, dst_offset, num_tiles,  # type: ignore[no-untyped-def]
+def copy_rows(table_ptr, idx_ptr, dst_offset, num_tiles,  # type: ignore[no-untyped-def]
                BLOCK: tl.constexpr, ELEM: tl.constexpr, VEC: tl.constexpr,
                ALIGN_BYTES: tl.constexpr, ZERO: tl.constexpr):
     """Program ``(pair * num_tiles + tile, entry)`` moves elements ``[tile * BLOCK, +BLOCK)`` of
@@ -66,11 +66,11 @@ def _copy_rows(table_ptr, idx_ptr, dst_offset, num_tiles,  # type: ignore[no-unt
             tl.store(dst_ptrs, tl.load(src_ptrs, mask=mask), mask=mask)
 
 
-COMPILED: Any = JITFunction(_copy_rows, do_not_specialize=["dst_offset", "num_tiles"])
+COMPILED: Any = JITFunction(copy_rows, do_not_specialize=["dst_offset", "num_tiles"])
 
 try:  # the interpreter's class is not public API; without it CPU tensors cannot be fused
     from triton.runtime.interpreter import InterpretedFunction
 
-    INTERPRETED: Any = InterpretedFunction(_copy_rows)
+    INTERPRETED: Any = InterpretedFunction(copy_rows)
 except ImportError:  # pragma: no cover - depends on the triton version
     INTERPRETED = None

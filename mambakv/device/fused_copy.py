@@ -40,14 +40,15 @@ import torch
 
 from mambakv.core.errors import InvalidSpecError
 
-__all__ = ["TILE_BYTES", "FusedRowCopy", "triton_available"]
+__all__ = ["MAX_GRID_X", "TILE_BYTES", "FusedRowCopy", "triton_available"]
 
 TILE_BYTES = 16384
 """Bytes one program moves at most (a power of two); with 4 warps, 128 B per thread."""
 
 NUM_WARPS = 4
 
-_MAX_GRID_X = 2**31 - 1  # CUDA's limit on grid dimension x; larger plans launch in chunks
+MAX_GRID_X = 2**31 - 1
+"""CUDA's limit on grid dimension x (the default ``FusedRowCopy.max_grid_x``)."""
 
 
 @functools.cache
@@ -128,6 +129,8 @@ class FusedRowCopy:
         """Bytes per element the kernel moves (1, 2, 4 or 8)."""
         self.vec = align // self.elem_size  # 2 when everything is 16-byte aligned, else 1
         self.device = device
+        #: programs one launch may have along x; a larger plan launches in chunks of pairs
+        self.max_grid_x = MAX_GRID_X
         self._tensors = tuple(tensors)  # the table holds their addresses: keep them alive
         self.num_rows = num_rows
         self.row_lengths = tuple(e[2] for e in entries)
@@ -164,7 +167,7 @@ class FusedRowCopy:
         if not num_pairs or not self._num_tiles:
             return
         idx = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        chunk = max(1, _MAX_GRID_X // self._num_tiles)  # pairs per launch (one launch in practice)
+        chunk = max(1, self.max_grid_x // self._num_tiles)  # pairs per launch (one launch in practice)
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             for start in range(0, num_pairs, chunk):  # Triton launches on the current device
                 grid = (min(chunk, num_pairs - start) * self._num_tiles, self.num_entries)
