@@ -37,6 +37,7 @@ from mambakv.core.errors import (
 )
 from mambakv.core.eviction import EvictionPolicy
 from mambakv.core.host_tier import HostTierSpec, HostWrite
+from mambakv.core.pool_checks import keeps_calls
 from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheConfig, MambaCacheMode
 from mambakv.groups import MambaManager, SingleTypeKVCacheManager, make_manager, share_identical_policies
@@ -151,6 +152,8 @@ class KVCacheCoordinator(CoordinatorSteps, CoordinatorHost, CoordinatorResults, 
         self._new_results: list[tuple[list[KVCacheBlock], ...]] = []
         #: a Mamba group may have copies / zeros to drain (set with its new blocks)
         self._copies_pending = self._zeros_pending = False
+        #: every Mamba manager keeps MambaManager's own ``take_copy_plan``: drain their lists here
+        self._own_copy_drains = all(keeps_calls(type(m), MambaManager, ("take_copy_plan",)) for m in self.mamba_managers)
         self.prefix_cache_stats = PrefixCacheStats()
         self.num_steps = 0
         #: the rules ``next_chunk_end`` follows (mambakv.placement)

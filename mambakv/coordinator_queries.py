@@ -41,6 +41,7 @@ class CoordinatorQueries(CoordinatorPools):
     _empty_blocks: KVCacheBlocks
     _new_results: list[tuple[list[KVCacheBlock], ...]]
     _copies_pending: bool
+    _own_copy_drains: bool
     _zeros_pending: bool
     max_model_len: int
     _columns: tuple[tuple[int, ...], ...]
@@ -166,6 +167,13 @@ class CoordinatorQueries(CoordinatorPools):
             return {}
         self._copies_pending = False
         out = {}
+        if self._own_copy_drains:  # each manager's take_copy_plan, inline (a call per group saved)
+            for m in self.mamba_managers:
+                plan = m._copy_plan
+                if plan:
+                    m._copy_plan = []
+                    out[m.kv_cache_group_id] = plan
+            return out
         for m in self.mamba_managers:
             plan = m.take_copy_plan()
             if plan:

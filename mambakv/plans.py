@@ -55,24 +55,37 @@ class SharedEmptyList(list[KVCacheBlock]):
         self._refuse()
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class KVCacheBlocks:
-    """Blocks per KV-cache group, in config order: ``blocks[g]`` is group g's list. Frozen: a
-    result is not rebound (its lists are the caller's, except in ``shared_empty``)."""
+    """Blocks per KV-cache group, in config order: ``blocks[g]`` is group g's list (the
+    caller's own, except in ``shared_empty``)."""
 
     blocks: tuple[list[KVCacheBlock], ...]
 
-    @classmethod
-    def shared_empty(cls, num_groups: int) -> KVCacheBlocks:
-        """The one empty result a coordinator hands every caller: lists that refuse changes
-        (:class:`SharedEmptyList`)."""
-        return cls(tuple(SharedEmptyList() for _ in range(num_groups)))
+    @staticmethod
+    def shared_empty(num_groups: int) -> KVCacheBlocks:
+        """The one empty result a coordinator hands every caller: it is not rebound and its
+        lists refuse additions (ReadOnlyResultError: :class:`SharedEmptyList`)."""
+        return _SharedEmptyBlocks(num_groups)
+
+    def __eq__(self, other: object) -> bool:  # (so the shared empty result equals any empty one; unhashable)
+        return isinstance(other, KVCacheBlocks) and self.blocks == other.blocks
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in group] for group in self.blocks)
 
     def __len__(self) -> int:
         return len(self.blocks)
+
+
+class _SharedEmptyBlocks(KVCacheBlocks):
+    """``KVCacheBlocks.shared_empty``: rebinding ``blocks`` raises ReadOnlyResultError."""
+
+    def __init__(self, num_groups: int) -> None:
+        object.__setattr__(self, "blocks", tuple(SharedEmptyList() for _ in range(num_groups)))
+
+    def __setattr__(self, name: str, value: object) -> NoReturn:
+        raise ReadOnlyResultError("the empty result is shared by every caller: build a new KVCacheBlocks instead")
 
 
 class GroupPlan(NamedTuple):

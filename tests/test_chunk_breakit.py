@@ -152,3 +152,22 @@ def test_chunk_path_honours_a_planted_attention_cache_blocks(monkeypatch: pytest
     assert seen == [32, 64]
     view = c.describe("a")
     assert view is not None and view.tables[0].num_cached_blocks == 4
+
+
+def test_the_coordinator_copy_drain_calls_a_take_copy_plan_planted_on_mambamanager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator drains the Mamba managers' copy lists itself while they keep
+    MambaManager's own ``take_copy_plan``; a rule planted on the class must still be called.
+    Hand count: one Mamba group (block 4, no scratch), 6-token prompt, allocate 4 then 2 more:
+    the second step moves the running state to a new block (copy 1 -> 2); the planted rule
+    adds (7, 7)."""
+    from mambakv import MambaManager, Request
+    from tests.coord_helpers import mamba_coordinator, step, tokens
+
+    own = MambaManager.take_copy_plan
+    monkeypatch.setattr(MambaManager, "take_copy_plan", lambda self: [*own(self), (7, 7)])
+    coord = mamba_coordinator(4)
+    req = Request("r", tokens(6))
+    step(coord, req, 4, num_draft_tokens=0)
+    coord.take_copy_plan()
+    step(coord, req, 2, num_draft_tokens=0)
+    assert coord.take_copy_plan() == {0: [(1, 2), (7, 7)]}

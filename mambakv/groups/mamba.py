@@ -263,4 +263,5 @@ class MambaManager(MambaReleaseMixin, ColumnsMixin, MambaChunkMixin, FusedStepMi
         if t.decode_steps:
             self._settle_decode(t, num_processed_tokens)
 
-record_own_calls(MambaManager, MAMBA_CHUNK_STEPS)  # (chunks_fusable: a rule planted on the class opts out)
+# (chunks_fusable and the coordinator's copy drain: a rule planted on the class opts out)
+record_own_calls(MambaManager, (*MAMBA_CHUNK_STEPS, "take_copy_plan"))
