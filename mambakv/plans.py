@@ -26,14 +26,20 @@ __all__ = ["EMPTY_STEP_PLAN", "GroupPlan", "KVCacheBlocks", "RequestView", "Shar
 
 class SharedEmptyList(list[KVCacheBlock]):
     """A group's list in the shared empty result (``KVCacheBlocks.shared_empty``): it reads as
-    an empty list; every change that could add a block raises ReadOnlyResultError, since every caller holds the same
-    object (a decode step that takes no block allocates nothing)."""
+    an empty list; every change that could add a block raises ReadOnlyResultError, since every
+    caller holds the same object (a decode step that takes no block allocates nothing). Its
+    copies (``list(x)``, ``copy.copy``, ``copy.deepcopy``, pickling) are plain lists."""
 
     __slots__ = ()
 
+    def __init__(self, *items: Iterable[KVCacheBlock]) -> None:
+        if items:  # (``x.__init__(blocks)`` would refill it)
+            self._refuse()
+        super().__init__()
+
     def _refuse(self) -> NoReturn:
         raise ReadOnlyResultError("this empty block list is shared by every caller (a step that took no block, "
-                                  "a miss): copy it before changing it")
+                                  "a miss): change a copy of it, list(result.blocks[g])")
 
     def append(self, item: KVCacheBlock, /) -> NoReturn:
         self._refuse()
@@ -54,38 +60,36 @@ class SharedEmptyList(list[KVCacheBlock]):
     def __imul__(self, n: SupportsIndex, /) -> SharedEmptyList:
         self._refuse()
 
+    def __copy__(self) -> list[KVCacheBlock]:
+        return []
 
-@dataclass(eq=False)
+    def __deepcopy__(self, memo: dict[int, Any]) -> list[KVCacheBlock]:
+        return []
+
+    def __reduce__(self) -> tuple[type[list[KVCacheBlock]], tuple[()]]:
+        return list, ()
+
+
+@dataclass(frozen=True, slots=True)
 class KVCacheBlocks:
-    """Blocks per KV-cache group, in config order: ``blocks[g]`` is group g's list (the
-    caller's own, except in ``shared_empty``)."""
+    """Blocks per KV-cache group, in config order: ``blocks[g]`` is group g's list. Frozen (a
+    result is never rebound). Read the lists; to change one, copy it first: the coordinator's
+    step plan (``take_step_plan``) reads the same lists for the step's new block ids, and the
+    shared empty result's lists refuse additions (``shared_empty``)."""
 
     blocks: tuple[list[KVCacheBlock], ...]
 
-    @staticmethod
-    def shared_empty(num_groups: int) -> KVCacheBlocks:
-        """The one empty result a coordinator hands every caller: it is not rebound and its
-        lists refuse additions (ReadOnlyResultError: :class:`SharedEmptyList`)."""
-        return _SharedEmptyBlocks(num_groups)
-
-    def __eq__(self, other: object) -> bool:  # (so the shared empty result equals any empty one; unhashable)
-        return isinstance(other, KVCacheBlocks) and self.blocks == other.blocks
+    @classmethod
+    def shared_empty(cls, num_groups: int) -> KVCacheBlocks:
+        """The one empty result a coordinator hands every caller (a step that takes no block,
+        a miss): its lists refuse additions (:class:`SharedEmptyList`)."""
+        return cls(tuple(SharedEmptyList() for _ in range(num_groups)))
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in group] for group in self.blocks)
 
     def __len__(self) -> int:
         return len(self.blocks)
-
-
-class _SharedEmptyBlocks(KVCacheBlocks):
-    """``KVCacheBlocks.shared_empty``: rebinding ``blocks`` raises ReadOnlyResultError."""
-
-    def __init__(self, num_groups: int) -> None:
-        object.__setattr__(self, "blocks", tuple(SharedEmptyList() for _ in range(num_groups)))
-
-    def __setattr__(self, name: str, value: object) -> NoReturn:
-        raise ReadOnlyResultError("the empty result is shared by every caller: build a new KVCacheBlocks instead")
 
 
 class GroupPlan(NamedTuple):

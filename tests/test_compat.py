@@ -67,3 +67,17 @@ def test_old_module_path_keeps_the_01_names(old: str) -> None:
     """``from mambakv.block_pool import FreeBlockQueue`` and the like, which 0.1 code could write."""
     module = importlib.import_module(old)
     assert [n for n in OLD_NAMES[old] if not hasattr(module, n)] == []
+
+
+def test_old_managers_package_has_its_modules_as_attributes() -> None:
+    """0.1's ``mambakv/managers/__init__.py`` imported its modules: ``import mambakv.managers``
+    then ``mambakv.managers.mamba.MambaManager`` worked. (A fresh interpreter: in this one an
+    earlier import of a submodule sets the attribute anyway.)"""
+    import subprocess
+    import sys
+
+    code = ("import mambakv, mambakv.managers as m; "
+            "assert m.mamba.MambaManager is mambakv.MambaManager; "
+            "assert m.base.SingleTypeKVCacheManager is mambakv.SingleTypeKVCacheManager; "
+            "assert m.attention.FullAttentionManager is mambakv.FullAttentionManager")
+    subprocess.run([sys.executable, "-c", code], check=True)

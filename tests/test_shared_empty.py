@@ -3,6 +3,10 @@ for a miss) refuses additions: one caller's change would otherwise show in every
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import pickle
+
 import pytest
 
 from mambakv import KVCacheBlocks, ReadOnlyResultError, Request
@@ -12,7 +16,8 @@ from tests.coord_helpers import coordinator, fa_spec, step, tokens
 def _changes(lst):
     null = object()
     return [lambda: lst.append(null), lambda: lst.extend([null]), lambda: lst.insert(0, null),
-            lambda: lst.__setitem__(slice(0, 0), [null]), lambda: lst.__iadd__([null])]
+            lambda: lst.__setitem__(slice(0, 0), [null]), lambda: lst.__iadd__([null]),
+            lambda: lst.__init__([null])]  # (a refill through __init__: found by a new-user review)
 
 
 def test_a_step_without_new_blocks_shares_one_result_that_refuses_additions() -> None:
@@ -51,6 +56,24 @@ def test_the_shared_result_is_not_rebound_and_fresh_results_are_plain_lists() ->
     out = step(coord, a, 5)
     assert type(out.blocks[0]) is list and out.get_block_ids() == ([1, 2],)
     shared = KVCacheBlocks.shared_empty(2)
-    with pytest.raises(ReadOnlyResultError):
+    with pytest.raises(AttributeError):  # dataclasses.FrozenInstanceError: results are frozen
         shared.blocks = ()  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        del shared.blocks  # type: ignore[misc]
+    with pytest.raises(TypeError):  # slotted: no __dict__ to write the field into
+        vars(shared)
     assert shared == KVCacheBlocks(([], [])) and shared.get_block_ids() == ([], [])
+
+
+def test_copies_of_the_shared_lists_are_plain_lists() -> None:
+    """The way out that the error names (copy, then change), by every copying route."""
+    shared = KVCacheBlocks.shared_empty(2)
+    lists = [list(shared.blocks[0]), copy.copy(shared.blocks[0]), copy.deepcopy(shared.blocks[0]),
+             pickle.loads(pickle.dumps(shared.blocks[0])), *copy.deepcopy(shared).blocks,
+             *pickle.loads(pickle.dumps(shared)).blocks]
+    for lst in lists:
+        assert type(lst) is list and lst == []
+        lst.append(1)
+    mine = dataclasses.replace(shared, blocks=tuple(list(b) for b in shared.blocks))
+    mine.blocks[1].append(2)
+    assert mine.blocks == ([], [2]) and shared.blocks == ([], [])

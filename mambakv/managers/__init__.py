@@ -9,3 +9,6 @@ from mambakv.core.spec import MambaCacheMode as MambaCacheMode
 from mambakv.core.spec import MambaSpec as MambaSpec
 from mambakv.core.spec import SlidingWindowSpec as SlidingWindowSpec
 from mambakv.groups import *  # noqa: F403
+from mambakv.managers import attention as attention  # (0.1's package imported its modules: mambakv.managers.mamba)
+from mambakv.managers import base as base
+from mambakv.managers import mamba as mamba
