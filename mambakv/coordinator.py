@@ -22,6 +22,7 @@ import math
 from collections.abc import Sequence
 
 from mambakv.coordinator_host import CoordinatorHost
+from mambakv.coordinator_plans import CoordinatorPlans
 from mambakv.coordinator_pools import CoordinatorPools, build_host_tier, build_pools, build_units, unit_table_managers
 from mambakv.coordinator_queries import CoordinatorQueries
 from mambakv.coordinator_results import CoordinatorResults
@@ -49,7 +50,8 @@ from mambakv.request_state import RequestState, check_computed, checked_draft_co
 __all__ = ["DEFAULT_PLACEMENT", "KVCacheCoordinator", "share_identical_policies"]
 
 
-class KVCacheCoordinator(CoordinatorSteps, CoordinatorHost, CoordinatorResults, CoordinatorQueries, CoordinatorPools):
+class KVCacheCoordinator(CoordinatorSteps, CoordinatorHost, CoordinatorResults, CoordinatorQueries, CoordinatorPlans,
+                         CoordinatorPools):
     """One manager per group over one BlockPool (unified) or a SuperblockArena's two pools (decoupled).
 
     Args:
