@@ -189,8 +189,10 @@ class KVCacheCoordinator(CoordinatorSteps, CoordinatorHost, CoordinatorResults, 
         (the retire stands when the pool is short or a group refuses the step); None: no retire.
 
         Returns the newly allocated blocks per group (a shared empty result when no group got a
-        block: its lists raise ReadOnlyResultError on an addition), or None when the pool cannot supply them (hit blocks still in
-        the free queue count too): then nothing changed. It never retires.
+        block: its lists raise ReadOnlyResultError on an addition; read a fresh result's lists,
+        which ``take_step_plan`` reads too, and copy one before changing it), or None when the
+        pool cannot supply them (hit blocks still in the free queue count too): then nothing
+        changed. It never retires.
 
         Raises (nothing changed):
             InvalidTokenCountError: ``num_new_tokens <= 0``, a negative count, more than
