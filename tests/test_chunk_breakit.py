@@ -16,6 +16,20 @@ def _map(pool: BlockPool) -> dict:
             for g, m in pool.cached_block_hash_to_block.items()}
 
 
+def plant_noting(monkeypatch: pytest.MonkeyPatch, cls: type, name: str, note) -> list:  # type: ignore[no-untyped-def]
+    """Plant a rule on `cls` itself (as the teeth tests do): ``cls.name`` notes ``note(*args)``
+    in the returned list, then runs the original."""
+    seen: list = []
+    own = getattr(cls, name)
+
+    def noting(self, *args):  # type: ignore[no-untyped-def]
+        seen.append(note(*args))
+        return own(self, *args)
+
+    monkeypatch.setattr(cls, name, noting)
+    return seen
+
+
 def test_fused_forms_make_the_two_calls_when_blockpool_itself_is_patched(monkeypatch: pytest.MonkeyPatch) -> None:
     """A teeth test plants its rule on BlockPool itself (tests/property/test_teeth.py:
     ``monkeypatch.setattr(BlockPool, "free_blocks", ...)``); the one-pass forms must then make
@@ -24,15 +38,7 @@ def test_fused_forms_make_the_two_calls_when_blockpool_itself_is_patched(monkeyp
     ``cache_then_free([2], H0, (0,), [3])`` publishes 2 and frees 3 through the planted call.
     ``get_then_cache`` declines (None): the caller makes the two calls. (fused_calls compared
     the class against BlockPool itself, so a rule planted on BlockPool was never seen.)"""
-    seen: list[list[int]] = []
-    own = BlockPool.free_blocks
-
-    def noting(self: BlockPool, blocks) -> None:  # type: ignore[no-untyped-def]
-        blocks = list(blocks)
-        seen.append([b.block_id for b in blocks])
-        own(self, blocks)
-
-    monkeypatch.setattr(BlockPool, "free_blocks", noting)
+    seen = plant_noting(monkeypatch, BlockPool, "free_blocks", lambda blocks: [b.block_id for b in blocks])
     pool = BlockPool(6)
     assert not pool.fused_calls
     b1 = pool.get_new_blocks(1)
@@ -93,14 +99,7 @@ def test_chunk_path_honours_a_rule_planted_on_mamba_manager_itself(monkeypatch: 
     from tests.coord_helpers import coordinator, fa_spec
     from tests.helpers import mamba_spec
 
-    seen: list[int] = []
-    own = MambaManager.retire_slots
-
-    def noting(self, table, num_slots):  # type: ignore[no-untyped-def]
-        seen.append(num_slots)
-        own(self, table, num_slots)
-
-    monkeypatch.setattr(MambaManager, "retire_slots", noting)
+    seen = plant_noting(monkeypatch, MambaManager, "retire_slots", lambda table, num_slots: num_slots)
     c = coordinator(40, fa_spec(16), mamba_spec(16, 0), max_model_len=2048)
     assert not any(m.chunks for m in c.mamba_managers)
     req = Request("a", list(range(100)))
@@ -136,14 +135,7 @@ def test_chunk_path_honours_a_planted_attention_cache_blocks(monkeypatch: pytest
     from mambakv.groups.base import SingleTypeKVCacheManager
     from tests.coord_helpers import coordinator, fa_spec
 
-    seen: list[int] = []
-    own = SingleTypeKVCacheManager.cache_blocks
-
-    def noting(self, request, num_tokens):  # type: ignore[no-untyped-def]
-        seen.append(num_tokens)
-        own(self, request, num_tokens)
-
-    monkeypatch.setattr(SingleTypeKVCacheManager, "cache_blocks", noting)
+    seen = plant_noting(monkeypatch, SingleTypeKVCacheManager, "cache_blocks", lambda request, num_tokens: num_tokens)
     c = coordinator(40, fa_spec(16), max_model_len=2048)
     req = Request("a", list(range(100)))
     c.allocate(req, 32, num_draft_tokens=0)

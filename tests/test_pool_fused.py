@@ -29,6 +29,17 @@ def cached_and_freed(num_blocks: int) -> BlockPool:
     return pool
 
 
+def take_4_publish_3(num_blocks: int) -> tuple[BlockPool, list[KVCacheBlock] | None]:
+    """``get_then_cache(4 blocks, H[4:7])`` on one ``cached_and_freed`` pool; asserts it ends
+    as ``get_new_blocks(4)`` then ``cache_full_blocks`` of the first 3 does on another."""
+    fused, plain = cached_and_freed(num_blocks), cached_and_freed(num_blocks)
+    new = get_then_cache(fused, 4, H[4:7], 0)
+    two = plain.get_new_blocks(4)
+    plain.cache_full_blocks(two[:3], H[4:7], 0)
+    assert snapshot(fused) == snapshot(plain)
+    return fused, new
+
+
 def test_real_slots_deepest_first_with_the_chunk_case_by_count() -> None:
     """Slots of `blocks` in [low, stop) that hold a real block, deepest first."""
     null, a, b = KVCacheBlock(0), KVCacheBlock(1), KVCacheBlock(2)
@@ -57,12 +68,8 @@ def test_get_then_cache_equals_get_then_cache_full_blocks() -> None:
     """Hand count: 10 blocks; blocks 1 and 2 cached and freed, so the queue reads
     3..9, 1, 2. Taking 4 with 3 hashes pops 3, 4, 5, 6 (none hashed: nothing evicted) and
     publishes 3, 4, 5 under h4..h6 in group 0."""
-    fused, plain = cached_and_freed(10), cached_and_freed(10)
-    new = get_then_cache(fused, 4, H[4:7], 0)
+    fused, new = take_4_publish_3(10)
     assert new is not None and [b.block_id for b in new] == [3, 4, 5, 6]
-    two = plain.get_new_blocks(4)
-    plain.cache_full_blocks(two[:3], H[4:7], 0)
-    assert snapshot(fused) == snapshot(plain)
     assert [b.block_hash for b in new] == [H[4], H[5], H[6], None]
     assert fused.cached_block_hash_to_block[0][H[5]] is new[1]
 
@@ -120,12 +127,8 @@ def test_get_then_cache_evicts_a_cached_block_it_takes_past_the_hashes() -> None
     """Hand count: 6 blocks; 1 and 2 cached under h0, h1 and freed (queue 3, 4, 5, 1, 2).
     Taking 4 with 3 new hashes publishes 3, 4, 5 and takes block 1 unhashed: h0 is evicted
     (one eviction), h1 stays, as with get_new_blocks(4) then cache_full_blocks of the first 3."""
-    fused, plain = cached_and_freed(6), cached_and_freed(6)
-    new = get_then_cache(fused, 4, H[4:7], 0)
+    fused, new = take_4_publish_3(6)
     assert new is not None and [b.block_id for b in new] == [3, 4, 5, 1]
-    two = plain.get_new_blocks(4)
-    plain.cache_full_blocks(two[:3], H[4:7], 0)
-    assert snapshot(fused) == snapshot(plain)
     assert fused.num_evictions == 1 and new[3].block_hash is None
     assert list(fused.cached_block_hash_to_block[0]) == [H[1], H[4], H[5], H[6]]
     fused.check_invariants()
