@@ -50,10 +50,9 @@ from mambakv.groups import (
     MambaManager,
     SingleTypeKVCacheManager,
     SlidingWindowManager,
-    StatePlan,
 )
 from mambakv.hits import PrefixCacheStats
-from mambakv.plans import KVCacheBlocks, TieredHit
+from mambakv.plans import KVCacheBlocks, StatePlan, TieredHit
 
 __version__ = "0.1.0"
 

@@ -1,5 +1,6 @@
 """Prefix hits across KV-cache groups (DESIGN.md section 6): the fixed point, the EAGLE
-back-off, the attention/Mamba junction, and the stale-hit check at allocation.
+back-off and the attention/Mamba junction (the stale-hit check at allocation is the
+coordinator's: it checks its own input).
 
 In a hybrid model a hit must hold in every group. Each group can only shorten a candidate
 length, so groups are asked in turn until none shortens it::
@@ -17,12 +18,9 @@ from dataclasses import dataclass, field
 
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
-from mambakv.core.errors import InvalidBlockError, MambaKVError, StaleCacheHitError
 from mambakv.core.request import Request
-from mambakv.groups import SingleTypeKVCacheManager
-from mambakv.groups.base import group_block_hashes
+from mambakv.groups import SingleTypeKVCacheManager, group_block_hashes
 from mambakv.groups.kinds import GroupKind
-from mambakv.plans import KVCacheBlocks
 
 
 @dataclass
@@ -145,46 +143,3 @@ class PrefixHitFinder:
             if length == 0:
                 break
         return length
-
-    def checked_hits(self, request: Request, new_computed_blocks: KVCacheBlocks,
-                     num_hit_tokens: int) -> Sequence[Sequence[KVCacheBlock]]:
-        """The hit lists, after checking that they are this pool's blocks, cover exactly
-        `num_hit_tokens` in every group, and that every hit block still carries the hash of
-        its slot in its group (it was not evicted and reused since the lookup).
-
-        Raises:
-            StaleCacheHitError: a hit block was evicted and reused since the lookup.
-            InvalidBlockError: a hit list's length does not match `num_hit_tokens` in some
-                group, or a block belongs to another pool.
-            MambaKVError: the hits have the wrong number of groups, or the request already
-                holds blocks (hits are for new requests).
-        """
-        hits = new_computed_blocks.blocks
-        if len(hits) != len(self.managers):
-            raise MambaKVError(f"new_computed_blocks has {len(hits)} groups, the config {len(self.managers)}")
-        if not num_hit_tokens and not any(hits):
-            return [()] * len(self.managers)
-        rid = request.request_id
-        for gid, (m, hit) in enumerate(zip(self.managers, hits)):
-            pool_blocks = m.block_pool.blocks
-            if len(hit) * m.block_size != num_hit_tokens:
-                raise InvalidBlockError(
-                    f"group {gid}: {len(hit)} hit blocks of {m.block_size} tokens do not cover the "
-                    f"{num_hit_tokens} computed tokens (pass get_computed_blocks' blocks and length together)")
-            if hit and m.req_to_blocks.get(rid):
-                raise MambaKVError(f"request {rid!r} already holds blocks; hits are for new requests")
-            keys = group_block_hashes(request, m.block_size) if hit else ()
-            for slot, block in enumerate(hit):
-                if not 0 <= block.block_id < len(pool_blocks) or pool_blocks[block.block_id] is not block:
-                    raise InvalidBlockError(f"hit block {block.block_id} is not a block of this pool")
-                if block.is_null:
-                    continue
-                if slot >= len(keys) or block.block_hash != keys[slot] or block.cache_group_id != gid:
-                    if block.block_hash is None:
-                        why = "was evicted since get_computed_blocks (it holds no prefix now)"
-                    else:
-                        why = ("holds another prefix: another request's hit, or evicted and reused since "
-                               "get_computed_blocks")
-                    raise StaleCacheHitError(f"hit block {block.block_id} (group {gid}, slot {slot}) {why}; "
-                                             f"look this request up again")
-        return hits

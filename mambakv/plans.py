@@ -21,7 +21,8 @@ from mambakv.core.block import KVCacheBlock
 from mambakv.core.errors import ReadOnlyResultError
 from mambakv.core.transfers import LoadPlan
 
-__all__ = ["EMPTY_STEP_PLAN", "GroupPlan", "KVCacheBlocks", "RequestView", "SharedEmptyList", "StepPlan", "TableView", "TieredHit"]
+__all__ = ["EMPTY_STEP_PLAN", "GroupPlan", "KVCacheBlocks", "RequestView", "SharedEmptyList", "StatePlan", "StepPlan",
+           "TableView", "TieredHit"]
 
 
 class SharedEmptyList(list[KVCacheBlock]):
@@ -121,6 +122,28 @@ class StepPlan(NamedTuple):
 
 #: the one shared result when nothing happened since the last drain
 EMPTY_STEP_PLAN = StepPlan()
+
+
+class StatePlan(NamedTuple):
+    """Where a request's states live now (``get_state_plan``), for kernels that prefer named
+    blocks to the table. ``take_checkpoint_writes`` gives the same blocks per planned step.
+
+    Attributes:
+        working_block_id: the running state block.
+        checkpoint_block_id, checkpoint_position: 0 (the 0.x ALIGN_LAZY private checkpoint is
+            gone; kept so that 0.x callers still unpack the tuple).
+        spare_block_id: ``latest``'s checkpoint waiting for its ``retire`` (a copy made at
+            verify, see :mod:`mambakv.groups.decode_checkpoints`), 0 when none.
+        scratch_block_ids: draft states, ``scratch_block_ids[k]`` = state after draft ``k + 1``.
+        write_target: None (no forward writes a checkpoint block any more; kept for 0.x callers).
+    """
+
+    working_block_id: int
+    checkpoint_block_id: int
+    checkpoint_position: int
+    spare_block_id: int
+    scratch_block_ids: tuple[int, ...]
+    write_target: tuple[int, int] | None
 
 
 class TableView(NamedTuple):

@@ -22,9 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Iterable, Sequence
 
 from mambakv.core.block import KVCacheBlock
-from mambakv.core.block_pool import BlockPool
+from mambakv.core.block_pool import BlockPool, PrefixMap
 from mambakv.core.errors import BlockNotFreeError
-from mambakv.core.prefix_map import PrefixMap
 
 __all__ = ["ArenaClock", "ArenaPool", "RecordingPrefixMap"]
 

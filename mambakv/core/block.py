@@ -72,10 +72,10 @@ class FreeBlockQueue:
         self._head = KVCacheBlock(-1)
         self._tail = KVCacheBlock(-1)
         #: the head sentinel (block id -1): ``head.next_free_block`` is the block reused first
-        #: (for the pool's fused walks, ``mambakv.core.pool_fused``; never rebind it)
+        #: (for the pool's batch walks, ``BlockPool.get_new_blocks``; never rebind it)
         self.head = self._head
         #: the tail sentinel (block id -1): ``tail.prev_free_block`` is the block reused last
-        #: (for the pool's fused requeue; never rebind it)
+        #: (never rebind it)
         self.tail = self._tail
         self._head.next_free_block = self._tail
         self._tail.prev_free_block = self._head
@@ -179,6 +179,19 @@ class FreeBlockQueue:
         """``append_n(blocks, checked=False)`` without the keyword (BlockPool's requeue of freed
         blocks, once per free)."""
         self._link_run(self._tail.prev_free_block, blocks, self._tail)  # type: ignore[arg-type]
+
+    def insert_before(self, node: KVCacheBlock, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put `blocks`, in order, right before `node` (a queued block, or the tail sentinel).
+
+        Raises:
+            DoubleFreeError: a block is already queued, or listed twice; nothing changed.
+            BlockNotFreeError: `node` is neither queued nor the tail sentinel; nothing changed.
+        """
+        blocks = self._check_insertable(blocks)
+        prev = node.prev_free_block
+        if prev is None:
+            raise BlockNotFreeError(f"block {node.block_id} is not in the free queue")
+        self._link_run(prev, blocks, node)
 
     def _link_run(self, prev: KVCacheBlock, blocks: Sequence[KVCacheBlock], after: KVCacheBlock) -> None:
         """Link `blocks`, in order, between the adjacent nodes `prev` and `after`."""

@@ -11,30 +11,298 @@ One pool serves every KV-cache group. Rules (DESIGN.md section 3):
       free_blocks([h1, u1, h2, u2])      queue: u1 u2 | ...old... | h1 h2
                                                 ^ head                 ^ tail
 
-The prefix-cache map (one dict per group: ``block_hash -> block``, or ``{block_id: block}``
-when several blocks of a group carry one hash) and the KV events it records live in
-:mod:`mambakv.core.prefix_map`; the pool decides when a block is published or loses its hash.
+The prefix-cache map is a :class:`PrefixMap` the pool owns: one dict per group,
+``block_hash -> block``, or ``{block_id: block}`` when several blocks of a group carry one hash
+(block tables are append-only and never de-duplicated, so two requests that computed the same
+block each keep their copy)::
+
+    maps[0] = {h1: b4, h2: {5: b5, 9: b9}}     group 0: h1 in block 4, h2 in blocks 5 and 9
+    remove(b9) -> False                          h2 still served by b5: maps[0][h2] is b5 again
+    remove(b5) -> True                           the last copy of h2 went: BlockRemoved([h2])
+
+The pool decides *when* a block is published or loses its hash (allocation, eviction, reset);
+the map keeps itself consistent and, when events are enabled, records the raw per
+``(group, hash)`` stream of :mod:`mambakv.core.events`: BlockStored when the first block of a
+group gets a hash, BlockRemoved when the last one loses it, AllBlocksCleared on ``clear``.
+
+Batch primitives (one implementation each, as vLLM's ``popleft_n`` / ``append_n``): the pool
+calls a prefill chunk makes back to back, in one pass: ``get_then_cache`` and
+``cache_then_free``; ``evict_first`` moves free cached blocks to the eviction end of the
+cached part. A subclass that changes ``get_new_blocks``, ``free_blocks`` or the cache calls
+overrides these too.
+
+The refusals of bad input are cheap tests inline (one identity pass, one compare per block);
+the helpers below only name the culprit and raise, or undo a half-done free first::
+
+    free_blocks([b3, b5, b3])   len(set) != len   -> first_duplicate_id -> DoubleFreeError(3)
+    free_blocks([b3, b5])       b5 at ref 0        -> undo_free: b3 back to its ref count, raise
+    evict_blocks([2, -1])                          -> checked_block_ids: InvalidBlockError(-1)
 """
 
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
-from mambakv.core import pool_checks
 from mambakv.core.block import FreeBlockQueue, KVCacheBlock
-from mambakv.core.errors import DoubleFreeError, InvalidBlockError, InvalidTokenCountError, OutOfBlocksError
-from mambakv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from mambakv.core.pool_checks import check_pool, checked_block_ids, first_duplicate_id, undo_free
-from mambakv.core.prefix_map import PrefixMap
+from mambakv.core.errors import (
+    BlockNotFreeError,
+    DoubleFreeError,
+    InvalidBlockError,
+    InvalidTokenCountError,
+    OutOfBlocksError,
+)
+from mambakv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, stored_events
 
-__all__ = ["AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "KVCacheEvent"]
+__all__ = ["AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "KVCacheEvent", "MapEntry", "PrefixMap",
+           "checked_block_ids", "first_duplicate_id"]
+
+#: one hash of one group: its only block, or ``{block_id: block}`` for several copies
+MapEntry = KVCacheBlock | dict[int, KVCacheBlock]
+
+
+class PrefixMap:
+    """The prefix-cache map of a BlockPool (see the module docstring): the hash -> block maps of every group, with the eviction count and the event list.
+
+    Args:
+        record_events: keep BlockStored / BlockRemoved / AllBlocksCleared for ``take_events``.
+
+    Attributes:
+        maps: group id -> block hash -> :data:`MapEntry` (what ``BlockPool.cached_block_hash_to_block``
+            is; outside code reads it, so it is one dict for the map's whole life).
+        num_evictions: blocks that lost their hash through :meth:`remove`.
+    """
+
+    __slots__ = ("maps", "num_evictions", "_events")
+
+    def __init__(self, record_events: bool = False) -> None:
+        self.maps: dict[int, dict[bytes, MapEntry]] = {}
+        self.num_evictions = 0
+        self._events: list[KVCacheEvent] | None = [] if record_events else None
+
+    def insert(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes], group_id: int, *,
+               parent_block_hash: bytes | None, token_ids: Sequence[int] | None, block_size: int,
+               lora_id: int | None, lora_name: str | None) -> None:
+        """Give ``blocks[i]`` the hash ``block_hashes[i]`` and group `group_id` and map it, skipping
+        null blocks and blocks already hashed; record BlockStored for the hashes new to the group
+        (``BlockPool.cache_full_blocks`` documents the arguments and the events).
+
+        Raises (nothing changed):
+            InvalidBlockError: a block already carries a different hash or group.
+            InvalidTokenCountError: `token_ids` of another length than ``len(blocks) * block_size``.
+        """
+        for block in blocks:  # the common case: only fresh blocks, one cheap pass
+            if block.block_hash is not None:
+                _check_republish(blocks, block_hashes, group_id)
+                break
+        if token_ids is not None and len(token_ids) != len(blocks) * block_size:
+            raise InvalidTokenCountError(
+                f"{len(token_ids)} token ids for {len(blocks)} blocks of {block_size} tokens")
+        m = self.maps.setdefault(group_id, {})
+        events = self._events
+        if events is None:  # the hot path: no event bookkeeping
+            map_blocks(m, blocks, block_hashes, group_id)
+            return
+        new: list[int] = []
+        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes)):
+            if block.is_null or block.block_hash is not None:
+                continue
+            block.block_hash = block_hash
+            block.cache_group_id = group_id
+            entry = m.get(block_hash)
+            if entry is None:
+                m[block_hash] = block
+                new.append(i)
+            elif isinstance(entry, dict):
+                entry[block.block_id] = block
+            else:
+                m[block_hash] = {entry.block_id: entry, block.block_id: block}
+        if new:
+            events.extend(stored_events(new, block_hashes, group_id, parent_block_hash, token_ids, block_size,
+                                        lora_id, lora_name))
+
+    def insert_state(self, blocks: Sequence[KVCacheBlock], block_hash: bytes, group_ids: Sequence[int], *,
+                     parent_block_hash: bytes | None, token_ids: Sequence[int] | None, block_size: int,
+                     lora_id: int | None, lora_name: str | None) -> None:
+        """Give ``blocks[i]`` the hash `block_hash` in group ``group_ids[i]`` (one Mamba state per
+        group of a shared policy, all at one boundary): ``insert`` of one block per group, all
+        or nothing (``BlockPool.cache_state_blocks`` documents the arguments).
+
+        Raises (nothing changed):
+            InvalidBlockError: a block already carries a different hash or group.
+            InvalidTokenCountError: `token_ids` of another length than `block_size`.
+        """
+        for block, group_id in zip(blocks, group_ids):
+            if block.block_hash is not None:
+                _check_republish([block], [block_hash], group_id)
+        if self._events is not None or token_ids is not None:  # events: one insert per group, in order
+            if token_ids is not None and len(token_ids) != block_size:
+                raise InvalidTokenCountError(f"{len(token_ids)} token ids for 1 block of {block_size} tokens")
+            for block, group_id in zip(blocks, group_ids):
+                self.insert([block], [block_hash], group_id, parent_block_hash=parent_block_hash, token_ids=token_ids,
+                            block_size=block_size, lora_id=lora_id, lora_name=lora_name)
+            return
+        map_state(self.maps, blocks, block_hash, group_ids)
+
+    def remove(self, block: KVCacheBlock) -> bool:
+        """Drop hashed `block` from the map and clear its hash and group (it is about to hold
+        something else, or its data was lost); count an eviction. True when it was the group's
+        last block with that hash (then BlockRemoved is recorded)."""
+        block_hash = block.block_hash
+        gid = block.cache_group_id
+        m = self.maps[gid]
+        entry = m[block_hash]  # type: ignore[index]
+        if isinstance(entry, dict):
+            del entry[block.block_id]
+            if len(entry) == 1:
+                m[block_hash] = next(iter(entry.values()))  # type: ignore[index]
+            last = False  # another block of the group still serves this hash: no event
+        else:
+            del m[block_hash]  # type: ignore[arg-type]
+            last = True
+        block.block_hash = None
+        block.cache_group_id = -1
+        self.num_evictions += 1
+        if last and self._events is not None:
+            self._events.append(BlockRemoved([block_hash], group_id=gid))  # type: ignore[list-item]
+        return last
+
+    def remove_many(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """``remove`` every hashed block of `blocks` (unhashed ones are skipped): one call for a
+        bulk pop or a withdrawn superblock, the same map updates and events."""
+        maps, events = self.maps, self._events
+        n = 0
+        for block in blocks:
+            block_hash = block.block_hash
+            if block_hash is None:
+                continue
+            gid = block.cache_group_id
+            m = maps[gid]
+            entry = m[block_hash]
+            n += 1
+            block.block_hash = None
+            block.cache_group_id = -1
+            if isinstance(entry, dict):
+                del entry[block.block_id]
+                if len(entry) == 1:
+                    m[block_hash] = next(iter(entry.values()))
+            else:
+                del m[block_hash]
+                if events is not None:
+                    events.append(BlockRemoved([block_hash], group_id=gid))
+        self.num_evictions += n
+
+    def clear(self) -> None:
+        """Empty every group's map (the same dict object stays) and record AllBlocksCleared.
+        The caller clears the blocks' own hashes."""
+        self.maps.clear()
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Return and clear the recorded events (always empty when events are off)."""
+        if self._events is None:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def check_invariants(self, num_hashed: int) -> None:
+        """Assert: no empty entry; every mapped block carries the hash and group it is mapped
+        under; the map holds `num_hashed` blocks (the pool's count of hashed blocks)."""
+        mapped = 0
+        for gid, m in self.maps.items():
+            for h, entry in m.items():
+                group = list(entry.values()) if isinstance(entry, dict) else [entry]
+                assert group, "empty map entry"
+                for b in group:
+                    assert b.block_hash == h and b.cache_group_id == gid, f"block {b.block_id} mapped wrongly"
+                    mapped += 1
+        assert num_hashed == mapped, f"{num_hashed} hashed blocks but {mapped} in the map"
+
+
+def map_blocks(m: dict[bytes, MapEntry], blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes],
+               group_id: int) -> None:
+    """``insert``'s map update without events, its checks done: null and already hashed blocks
+    are skipped; a second block of a hash turns the entry into ``{block_id: block}``."""
+    get = m.get
+    for block, block_hash in zip(blocks, block_hashes):
+        if block.block_hash is not None or block.is_null:
+            continue
+        block.block_hash = block_hash
+        block.cache_group_id = group_id
+        entry = get(block_hash)
+        if entry is None:
+            m[block_hash] = block
+        elif isinstance(entry, dict):
+            entry[block.block_id] = block
+        else:
+            m[block_hash] = {entry.block_id: entry, block.block_id: block}
+
+
+def map_state(maps: dict[int, dict[bytes, MapEntry]], blocks: Sequence[KVCacheBlock], block_hash: bytes,
+              group_ids: Sequence[int]) -> None:
+    """``insert_state``'s map update without events (checks done): ``blocks[i]`` under
+    `block_hash` in group ``group_ids[i]``."""
+    for block, group_id in zip(blocks, group_ids):
+        if block.block_hash is not None or block.is_null:
+            continue
+        m = maps.get(group_id)
+        if m is None:
+            m = maps[group_id] = {}
+        if block_hash in m:  # another copy: map_blocks' entry rules
+            map_blocks(m, (block,), (block_hash,), group_id)
+            continue
+        block.block_hash = block_hash
+        block.cache_group_id = group_id
+        m[block_hash] = block
+
+
+def _check_republish(blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes], group_id: int) -> None:
+    """Raise InvalidBlockError if a block already carries another hash or group."""
+    for block, block_hash in zip(blocks, block_hashes):
+        if block.block_hash is not None and (block.block_hash != block_hash or block.cache_group_id != group_id):
+            raise InvalidBlockError(f"block {block.block_id} is published under another hash or group; "
+                                    f"it cannot be published again")
+
+
+def first_duplicate_id(blocks: Iterable[KVCacheBlock]) -> int:
+    """The id of the first non-null block listed twice in `blocks` (there must be one)."""
+    ids = [b.block_id for b in blocks if not b.is_null]
+    return next(i for i in ids if ids.count(i) > 1)
+
+
+def undo_free(blocks: list[KVCacheBlock], bad: KVCacheBlock, pool_id: int) -> NoReturn:
+    """`bad` is at ref count 0 or another pool's: restore the blocks of `blocks` before it
+    (already decremented by ``free_blocks``), then raise InvalidBlockError (another pool) or
+    DoubleFreeError."""
+    for block in blocks[: blocks.index(bad)]:
+        block.ref_cnt += 1
+    if bad.pool_id != pool_id:
+        raise InvalidBlockError(f"block {bad.block_id} belongs to another pool")
+    raise DoubleFreeError(f"block {bad.block_id} freed at ref count {bad.ref_cnt}")
+
+
+def checked_block_ids(block_ids: Iterable[int], num_blocks: int) -> list[int]:
+    """`block_ids` as ints, each in ``0 .. num_blocks - 1`` (ints and numpy integers; not
+    floats, and no negative id that would index from the end).
+
+    Raises:
+        InvalidBlockError: a non-integer or out-of-range id (the first one)."""
+    ids = []
+    for block_id in block_ids:
+        try:
+            i = operator.index(block_id)
+        except TypeError:
+            raise InvalidBlockError(f"block id {block_id!r} is not an integer") from None
+        if not 0 <= i < num_blocks:
+            raise InvalidBlockError(f"block id {block_id!r} outside 0..{num_blocks - 1}")
+        ids.append(i)
+    return ids
 
 
 _POOL_IDS = itertools.count()
-#: the calls whose one-pass forms ``mambakv.core.pool_fused`` takes (``BlockPool.fused_calls``)
-_FUSED_CALLS = ("free_blocks", "_requeue", "get_new_blocks", "cache_full_blocks", "cache_state_blocks")
 
 
 class BlockPool:
@@ -67,11 +335,6 @@ class BlockPool:
         self.cached_block_hash_to_block = self.prefix_map.maps
         #: blocks out of circulation, in no table (a decoupled pool's withdrawn blocks; 0 otherwise)
         self.num_reserved_blocks = 0
-        #: the class keeps BlockPool's own free / requeue / get / cache calls, so the one-pass
-        #: forms of ``mambakv.core.pool_fused`` may stand in for them (read-only)
-        #: (compared with the calls as this module defined them: a rule planted on BlockPool
-        #: itself, as the teeth tests do, opts out too)
-        self.fused_calls = pool_checks.keeps_calls(type(self), BlockPool, _FUSED_CALLS)
 
     @property
     def num_evictions(self) -> int:
@@ -293,6 +556,27 @@ class BlockPool:
                     queue.remove(block)
                     queue.prepend_n([block])
 
+    def evict_first(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Move free cached `blocks` to the head of the cached part of the free queue (right
+        after the unhashed free blocks, which the pool keeps first): the next eviction takes
+        them, a hit may still revive them. O(unhashed free blocks)::
+
+            queue  u1 u2 | h1 h2 OLD h3    ->    u1 u2 | OLD h1 h2 h3
+
+        Raises (nothing changed):
+            BlockNotFreeError: a block is not in the free queue, or carries no hash.
+        """
+        q = self.free_block_queue
+        for b in blocks:
+            if b.prev_free_block is None or b.block_hash is None:
+                raise BlockNotFreeError(f"block {b.block_id} is not a free cached block")
+        for b in blocks:
+            q.remove(b)
+        node: Any = q.head.next_free_block
+        while node is not q.tail and node.block_hash is None:
+            node = node.next_free_block
+        q.insert_before(node, blocks)
+
     def reset_prefix_cache(self) -> bool:
         """Drop every hash, if no block other than the null block is in use.
 
@@ -317,7 +601,27 @@ class BlockPool:
         block is queued iff its ref count is 0; the queue holds every unhashed free block
         before every cached one; the map holds exactly the hashed blocks, each under its own
         hash and group."""
-        check_pool(self)  # mambakv.core.pool_checks
-
-
-pool_checks.record_own_calls(BlockPool, _FUSED_CALLS)  # (fused_calls: a rule planted on BlockPool opts out)
+        q = self.free_block_queue
+        q.check_invariants()
+        null = self.null_block
+        assert null.block_id == 0 and null.is_null and null.block_hash is None
+        assert null.prev_free_block is None and null.next_free_block is None, "null block queued"
+        assert null.ref_cnt == 0, f"null block ref count {null.ref_cnt}"
+        free = q.get_all_free_blocks()
+        queued = {b.block_id for b in free}
+        assert 0 not in queued
+        seen_hashed: KVCacheBlock | None = None  # unhashed free blocks first (get_new_unhashed_block relies on it)
+        for b in free:
+            if b.block_hash is not None:
+                seen_hashed = seen_hashed or b
+            else:
+                assert seen_hashed is None, (f"free queue: unhashed block {b.block_id} behind cached block "
+                                             f"{seen_hashed.block_id}")
+        hashed = 0
+        for b in self.blocks[1:]:
+            assert not b.is_null
+            assert b.ref_cnt >= 0
+            assert (b.block_id in queued) == (b.ref_cnt == 0), f"block {b.block_id} ref {b.ref_cnt} vs queue"
+            if b.block_hash is not None:
+                hashed += 1
+        self.prefix_map.check_invariants(hashed)

@@ -9,8 +9,8 @@ from enum import Enum
 
 from mambakv.core.arena_geometry import SuperblockGeometry
 from mambakv.core.block import KVCacheBlock
+from mambakv.core.block_pool import MapEntry
 from mambakv.core.errors import InvalidSpecError, as_count
-from mambakv.core.prefix_map import MapEntry
 
 __all__ = ["MAX_HOST_BLOCKS", "HostStats", "HostTierSpec", "HostWrite", "copies_of", "first_copy"]
 

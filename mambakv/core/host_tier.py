@@ -33,10 +33,9 @@ from operator import attrgetter
 
 from mambakv.core.arena import SuperblockArena, SuperblockGeometry
 from mambakv.core.block import KVCacheBlock
-from mambakv.core.block_pool import BlockPool
+from mambakv.core.block_pool import BlockPool, PrefixMap
 from mambakv.core.eviction import EvictionPolicy
 from mambakv.core.host_spec import HostStats, HostTierSpec, HostWrite, copies_of, first_copy
-from mambakv.core.prefix_map import PrefixMap
 from mambakv.core.retention import NORMAL_RETENTION, Retention
 from mambakv.core.transfers import BlockKind, LoadPlan, Tier, Transfer
 

@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterator, Sequence, Set
 
 from mambakv.core.arena_pool import ArenaPool
 from mambakv.core.block import KVCacheBlock
+from mambakv.core.block_pool import MapEntry
 from mambakv.core.eviction import EvictionPolicy
-from mambakv.core.prefix_map import MapEntry
 from mambakv.core.retention import Retention
 from mambakv.core.unit_types import Node, Unit, UnitStats, unit_class
 

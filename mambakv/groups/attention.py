@@ -7,8 +7,10 @@ from collections.abc import Sequence
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
 from mambakv.core.spec import KVCacheSpec, SlidingWindowSpec
-from mambakv.groups.base import NEVER, BlockTable, SingleTypeKVCacheManager, cdiv
+from mambakv.groups.base import SingleTypeKVCacheManager, cdiv
 from mambakv.groups.kinds import GroupKind
+
+__all__ = ["FullAttentionManager", "SlidingWindowManager"]
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
@@ -22,11 +24,6 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
     kind = GroupKind.FULL_ATTENTION
     retires = False
-
-    def next_event(self, table: BlockTable) -> int:
-        """The next block boundary past the published ones (``retire`` publishes blocks that
-        became full with the processed tokens); never for a table without caching."""
-        return (table.num_cached_blocks + 1) * self.block_size if self.enable_caching else NEVER
 
     @classmethod
     def _find_hit(cls, block_hashes: Sequence[bytes], max_length: int, kv_cache_group_ids: Sequence[int],
@@ -71,11 +68,6 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         self.sliding_window = kv_cache_spec.sliding_window
         self.num_kept_tokens = self.sliding_window - 1  # the next token attends to w - 1 earlier ones
 
-    def next_event(self, table: BlockTable) -> int:
-        """The earlier of the next retirement and the next publication."""
-        publish = (table.num_cached_blocks + 1) * self.block_size if self.enable_caching else NEVER
-        return min(super().next_event(table), publish)
-
     @classmethod
     def _find_hit(cls, block_hashes: Sequence[bytes], max_length: int, kv_cache_group_ids: Sequence[int],
                   block_pool: BlockPool, kv_cache_spec: KVCacheSpec,
@@ -92,7 +84,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         """
         bs = kv_cache_spec.block_size
         need = cdiv(kv_cache_spec.sliding_window - 1, bs)  # type: ignore[attr-defined]
-        step = alignment_tokens // bs  # alignment is a multiple of every block size
+        step = alignment_tokens // bs  # a multiple of the block size (find_longest_cache_hit)
         null = block_pool.null_block
         get = block_pool.get_cached_block
         top = min(max_length // bs, len(block_hashes))

@@ -1,4 +1,5 @@
-"""The host tier's side of :class:`~mambakv.coordinator.KVCacheCoordinator` (:mod:`mambakv.core.host_tier`).
+"""HostLink: the host tier's side of :class:`~mambakv.coordinator.KVCacheCoordinator` (:mod:`mambakv.core.host_tier`),
+an object the coordinator holds when it has a host tier.
 
 An engine that knows nothing of tiers never sees it: ``get_computed_blocks`` returns GPU hits
 only. One that does, per new request::
@@ -21,22 +22,55 @@ the GPU tier's units.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from mambakv.core.arena import SuperblockArena
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
-from mambakv.core.errors import InvalidRequestError, LoadPendingError, as_seconds
-from mambakv.core.host_tier import HostTier, first_copy
+from mambakv.core.errors import InvalidSpecError, LoadPendingError
+from mambakv.core.eviction import make_eviction_policy
+from mambakv.core.host_tier import HostTier, HostTierSpec, HostWrite, first_copy
+from mambakv.core.modes import MambaCacheMode
 from mambakv.core.request import Request
+from mambakv.core.spec import KVCacheConfig
 from mambakv.core.transfers import EMPTY_TRANSFER_PLAN, BlockKind, LoadPlan, Tier, Transfer, TransferPlan
 from mambakv.core.unit_types import Unit
 from mambakv.core.units import UnitIndex
-from mambakv.groups.tables import group_block_hashes
+from mambakv.groups import GroupKind, SingleTypeKVCacheManager, group_block_hashes
 from mambakv.hits import PrefixCacheStats
 from mambakv.plans import KVCacheBlocks, TieredHit
 
-__all__ = ["CoordinatorHost"]
+__all__ = ["HostLink", "build_host_tier"]
+
+
+def build_host_tier(spec: HostTierSpec | None, config: KVCacheConfig, managers: tuple[SingleTypeKVCacheManager, ...],
+                    gpu_pages: BlockPool, gpu_slots: BlockPool, units: UnitIndex | None,
+                    enable_caching: bool, use_eagle: bool) -> HostTier | None:
+    """The host tier of `spec` over these groups, or None without a spec.
+
+    Raises:
+        InvalidSpecError: not a HostTierSpec; no prefix caching or EAGLE back-off; a group other
+            than full attention and align-mode Mamba, or groups of different block sizes; write
+            ``evict`` without the decoupled layout's units.
+    """
+    if spec is None:
+        return None
+    if not isinstance(spec, HostTierSpec):
+        raise InvalidSpecError(f"host_tier must be a HostTierSpec, got {type(spec).__name__}")
+    if not enable_caching or use_eagle:
+        raise InvalidSpecError("a host tier needs prefix caching and no EAGLE back-off")
+    pages = [m.kv_cache_group_id for m in managers if m.kind is GroupKind.FULL_ATTENTION]
+    states = [m.kv_cache_group_id for m in managers
+              if m.kind is GroupKind.MAMBA and getattr(m, "mode", None) is MambaCacheMode.ALIGN]
+    sizes = {m.block_size for m in managers}
+    if len(pages) + len(states) != len(managers) or not pages or not states or len(sizes) != 1:
+        raise InvalidSpecError("a host tier holds units of full-attention pages and align-mode Mamba states: it "
+                               "needs at least one group of each, no group of another kind, one block size")
+    if spec.write is HostWrite.EVICT and units is None:
+        raise InvalidSpecError("host write 'evict' needs the decoupled layout (its eviction units)")
+    policy = make_eviction_policy(spec.eviction or "lru")
+    return HostTier(spec.geometry(config.superblocks), gpu_pages=gpu_pages, gpu_slots=gpu_slots, page_gids=pages,
+                    state_gids=states, page_tokens=managers[0].block_size, policy=policy,
+                    write=spec.write)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -55,67 +89,50 @@ class _Load:
     done: bool = False
 
 
-class CoordinatorHost:
-    """Mixed into KVCacheCoordinator, which sets every attribute declared here."""
+class HostLink:
+    """The loads in flight or held, and the stores of one coordinator's host tier.
 
-    host: HostTier | None
-    units: UnitIndex | None
-    arena: SuperblockArena | None
-    block_pool: BlockPool
-    state_block_pool: BlockPool
-    now: float
-    prefix_cache_stats: PrefixCacheStats
-    _loads: dict[str, _Load]
+    Args:
+        host: the :class:`~mambakv.core.host_tier.HostTier`.
+        block_pool / state_block_pool: the GPU tier's page and state pools (one pool unified).
+        arena / units: the GPU tier's arena and eviction units (decoupled), else None.
+        stats: the coordinator's prefix-cache stats (``host_hits``).
 
-    if TYPE_CHECKING:  # CoordinatorQueries'
-        def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]: ...
-        def holds_blocks(self, request_id: str) -> bool: ...
+    Attributes:
+        loads: request id -> its load (in flight, or complete and held until its first
+            ``allocate`` or ``free``).
+    """
+
+    def __init__(self, host: HostTier, *, block_pool: BlockPool, state_block_pool: BlockPool,
+                 arena: SuperblockArena | None, units: UnitIndex | None, stats: PrefixCacheStats) -> None:
+        self.host = host
+        self.block_pool, self.state_block_pool = block_pool, state_block_pool
+        self.arena, self.units = arena, units
+        self.stats = stats
+        self.loads: dict[str, _Load] = {}
 
     # ------------------------------------------------------------------ lookups and loads
-    def get_computed_blocks_tiered(self, request: Request, *, now: float | None = None) -> TieredHit:
-        """The longest prefix hit over the GPU and the host tier; starts the load of its host part.
-
-        The GPU part is ``get_computed_blocks(request)``. When the host tier holds a deeper hit
-        (whole units: every page up to it in one tier or the other, a state in every Mamba group
-        at it), this call allocates GPU blocks for the pages missing on the GPU and the state,
-        holds them and the GPU pages of the hit, pins the host copies, and returns the
-        :class:`~mambakv.core.transfers.LoadPlan` (also in the next ``take_transfer_plan()``).
-        Without a host tier, a deeper host hit, or GPU room for it, it changes nothing and
-        returns the GPU part only (``num_host_tokens == 0``).
-
-        Raises (nothing changed):
-            InvalidRequestError: `request` is not a Request, or it holds blocks already.
-            LoadPendingError: its load is in flight (wait for ``complete_load``).
-            InvalidClockError: `now` is not a finite number.
-        """
-        if not isinstance(request, Request):
-            raise InvalidRequestError(f"get_computed_blocks_tiered needs a Request, got {type(request).__name__}")
+    def tiered_hit(self, request: Request, blocks: KVCacheBlocks, num_gpu_tokens: int, now: float) -> TieredHit:
+        """``KVCacheCoordinator.get_computed_blocks_tiered`` once its checks passed and the GPU
+        part (`blocks`, `num_gpu_tokens`) is known: when the host tier holds a deeper hit, start
+        its load (GPU room permitting); else change nothing."""
         rid = request.request_id
-        load = self._loads.get(rid)
-        if load is not None and not load.done:
-            raise LoadPendingError(f"request {rid!r}: its host-tier load is in flight")
-        if self.holds_blocks(rid):
-            raise InvalidRequestError(f"request {rid!r} holds blocks: look up hits before its first allocate")
-        if now is not None:
-            self.now = as_seconds(now)
-        blocks, n = self.get_computed_blocks(request)
+        if rid in self.loads:  # its load completed and is held: the GPU part is the whole hit
+            return TieredHit(blocks, num_gpu_tokens, 0, None)
         host = self.host
-        if host is None or load is not None:
-            return TieredHit(blocks, n, 0, None)
         page = host.page_tokens
         hashes = group_block_hashes(request, page)
         num_pages = host.find(hashes, (request.num_tokens - 1) // page)
-        if num_pages * page <= n:
-            return TieredHit(blocks, n, 0, None)
-        started = self._start_load(request, list(hashes[:num_pages]), n)
+        if num_pages * page <= num_gpu_tokens:
+            return TieredHit(blocks, num_gpu_tokens, 0, None)
+        started = self._start_load(request, list(hashes[:num_pages]), num_gpu_tokens, now)
         if started is None:
-            return TieredHit(blocks, n, 0, None)
-        return TieredHit(blocks, n, started.num_tokens, started)
+            return TieredHit(blocks, num_gpu_tokens, 0, None)
+        return TieredHit(blocks, num_gpu_tokens, started.num_tokens, started)
 
-    def _start_load(self, request: Request, hashes: list[bytes], num_gpu_tokens: int) -> LoadPlan | None:
+    def _start_load(self, request: Request, hashes: list[bytes], num_gpu_tokens: int, now: float) -> LoadPlan | None:
         """Count, check room, then hold / pin / allocate (see ``get_computed_blocks_tiered``)."""
         host = self.host
-        assert host is not None
         gpu_pmaps, gpu_smaps = self.block_pool.cached_block_hash_to_block, self.state_block_pool.cached_block_hash_to_block
         last = len(hashes) - 1
         held: list[KVCacheBlock] = []
@@ -166,8 +183,8 @@ class CoordinatorHost:
             transfers.append(Transfer(Tier.HOST, hb.block_id, Tier.GPU, dst.block_id, g.state_bytes, BlockKind.STATE, gid))
         num_tokens = len(hashes) * host.page_tokens - num_gpu_tokens
         plan = LoadPlan(request.request_id, tuple(transfers), sum(t.num_bytes for t in transfers), num_tokens)
-        host.units.admit(hashes, request.num_prompt_tokens // host.page_tokens, len(hashes), self.now)
-        self._loads[request.request_id] = _Load(
+        host.units.admit(hashes, request.num_prompt_tokens // host.page_tokens, len(hashes), now)
+        self.loads[request.request_id] = _Load(
             request, hashes, num_gpu_tokens, held, held_states, page_dst, state_dst,
             ([hb for _, _, hb in host_pages], [hb for _, hb in host_slots]), plan)
         host.loads.append(plan)
@@ -187,7 +204,7 @@ class CoordinatorHost:
         free_slots = sum(1 for b in held_states if not b.ref_cnt)
         return bool(arena.can_supply(num_pages + free_pages, num_slots + free_slots, held + held_states))
 
-    def complete_load(self, request_id: str) -> None:
+    def complete(self, request_id: str) -> None:
         """The engine finished the load's copies: publish its destination blocks under their
         hashes (the next ``get_computed_blocks`` returns the whole hit) and unpin the host
         blocks. The GPU blocks stay held for the request until its first ``allocate`` or ``free``.
@@ -195,11 +212,10 @@ class CoordinatorHost:
         Raises:
             LoadPendingError: no load of `request_id` is in flight; nothing changed.
         """
-        load = self._loads.get(request_id)
+        load = self.loads.get(request_id)
         if load is None or load.done:
             raise LoadPendingError(f"request {request_id!r} has no host-tier load in flight")
         host = self.host
-        assert host is not None
         for i, gid, b in load.new_pages:
             self.block_pool.cache_full_blocks([b], [load.hashes[i]], gid)
         for gid, b in load.new_states:
@@ -210,46 +226,33 @@ class CoordinatorHost:
         # plan that carries it is drained)
         host.loads = [p for p in host.loads if p.request_id != request_id]
 
-    def abort_load(self, request_id: str) -> None:
-        """The load failed or the request was dropped: its GPU blocks are released (destinations
-        unpublished, so they hold nothing), its host blocks unpinned; a completed load's hold is
-        released. Both tiers stay as they were, less what other calls changed meanwhile.
-
-        Raises:
-            LoadPendingError: `request_id` has no load (in flight or held); nothing changed.
-        """
-        if request_id not in self._loads:
-            raise LoadPendingError(f"request {request_id!r} has no host-tier load")
-        self._release_load(request_id)
-
-    def load_pending(self, request_id: str) -> bool:
+    def pending(self, request_id: str) -> bool:
         """Whether `request_id`'s host-tier load is in flight (not ready to allocate)."""
-        load = self._loads.get(request_id)
+        load = self.loads.get(request_id)
         return load is not None and not load.done
 
     def take_transfer_plan(self) -> TransferPlan:
         """Drain the host tier's transfers since the last drain: stores first, then the loads
         started (order contract in :mod:`mambakv.core.transfers`)."""
         host = self.host
-        if host is None or not (host.stores or host.loads):
+        if not (host.stores or host.loads):
             return EMPTY_TRANSFER_PLAN  # the common step: one shared empty plan
         plan = TransferPlan(tuple(host.take_stores()), tuple(host.loads))
         host.loads = []
         return plan
 
     # ------------------------------------------------------------------ hooks of the coordinator's calls
-    def _release_load(self, request_id: str, *, admitted_tokens: int | None = None) -> None:
+    def release(self, request_id: str, now: float, *, admitted_tokens: int | None = None) -> None:
         """End a load's hold (at the first allocate: `admitted_tokens` are the hit tokens it
         was admitted with), or abort one in flight."""
-        load = self._loads.pop(request_id)
+        load = self.loads.pop(request_id)
         host = self.host
-        assert host is not None
         if not load.done:
             host.unpin(*load.host_blocks)
             host.stats.aborted_loads += 1
             host.loads = [p for p in host.loads if p.request_id != request_id]
         elif admitted_tokens is not None and load.request.num_admissions == 1:  # counted as a first admission
-            self.prefix_cache_stats.host_hits += max(0, min(admitted_tokens, load.num_gpu_tokens + load.plan.num_tokens)
+            self.stats.host_hits += max(0, min(admitted_tokens, load.num_gpu_tokens + load.plan.num_tokens)
                                                      - load.num_gpu_tokens)
         self.state_block_pool.free_blocks(load.held_states + [b for _, b in load.new_states])
         self.block_pool.free_blocks(load.held_pages + [b for _, _, b in load.new_pages])
@@ -266,21 +269,21 @@ class CoordinatorHost:
                       for i in range(len(load.hashes)) for gid in host.page_gids}
             tables = [[blocks[(i, gid)] for i in range(len(load.hashes))] for gid in host.page_gids]
             request = load.request
-            self.units.register(load.hashes, tables, retain=request.retain, arrival=self.now,
-                                prompt_tokens=request.num_prompt_tokens, parent=None, now=self.now)
+            self.units.register(load.hashes, tables, retain=request.retain, arrival=now,
+                                prompt_tokens=request.num_prompt_tokens, parent=None, now=now)
         if self.units is not None:
             self.units.settle()
 
-    def _check_load_ready(self, request_id: str) -> None:
-        load = self._loads.get(request_id)
+    def check_ready(self, request_id: str) -> None:
+        """Raise LoadPendingError (nothing changed) while `request_id`'s load is in flight."""
+        load = self.loads.get(request_id)
         if load is not None and not load.done:
             raise LoadPendingError(f"request {request_id!r}: its host-tier load is in flight; allocate after "
                                    f"complete_load")
 
-    def _store_freed(self, request: Request) -> None:
+    def store_freed(self, request: Request, now: float) -> None:
         """Write-through: store the checkpoints on a freed request's GPU chain the host lacks."""
         host = self.host
-        assert host is not None
         hashes = group_block_hashes(request, host.page_tokens)
         units = self.units
         if units is None:  # unified: walk the GPU maps
@@ -288,13 +291,13 @@ class CoordinatorHost:
         else:
             positions = units.checkpoints(hashes)
         if positions:
-            host.store_chain(hashes, positions, now=self.now, retain=request.retain,
+            host.store_chain(hashes, positions, now=now, retain=request.retain,
                              prompt_tokens=request.num_prompt_tokens)
 
-    def _store_evicted(self, unit: Unit) -> None:
+    def store_evicted(self, unit: Unit, now: float) -> None:
         """Write-on-evict: the GPU tier is about to evict `unit`; store it with its pages."""
         host, units = self.host, self.units
-        assert host is not None and units is not None
+        assert units is not None
         if not units.state_present(unit.key):
             return  # its state is lost already: nothing whole to store
         keys: list[bytes] = []
@@ -303,10 +306,10 @@ class CoordinatorHost:
             keys.append(node.key)
             node = node.parent
         keys.reverse()
-        host.store_chain(keys, [len(keys) - 1], now=self.now, retain=unit.retain)
+        host.store_chain(keys, [len(keys) - 1], now=now, retain=unit.retain)
 
-    def _load_holders(self) -> list[KVCacheBlock]:
+    def holders(self) -> list[KVCacheBlock]:
         """Every GPU block the loads hold (for the coordinator's ref-count check)."""
-        return [b for load in self._loads.values()
+        return [b for load in self.loads.values()
                 for b in load.held_pages + load.held_states + [b for _, _, b in load.new_pages]
                 + [b for _, b in load.new_states]]
