@@ -719,13 +719,14 @@ class KVCacheCoordinator:
         (the others have nothing to do)."""
         request = live.request
         policies, tables, events = self.policies, live.tables, live.events
-        due = [i for i, e in enumerate(events) if e <= num_processed_tokens]
-        dead = [policies[i].dead_slots(tables[i], num_processed_tokens) for i in due]  # raises first
+        due = []
+        for i, e in enumerate(events):
+            if e <= num_processed_tokens:
+                due.append((policies[i], tables[i], policies[i].dead_slots(tables[i], num_processed_tokens)))  # raises first
         if self.enable_caching:  # publish, then retire: a state published and retired lands cached
-            for i in due:
-                policies[i].cache_blocks(request, num_processed_tokens)
-        for i, num_dead in zip(due, dead):
-            m, t = policies[i], tables[i]
+            for m, _, _ in due:
+                m.cache_blocks(request, num_processed_tokens)
+        for m, t, num_dead in due:
             if num_dead > t.retired_below:
                 m.retire_slots(t, num_dead)
             m.settle(t, num_processed_tokens)

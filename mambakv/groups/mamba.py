@@ -364,14 +364,15 @@ class MambaManager(SingleTypeKVCacheManager):
         the running block); without a hit the running block starts from zero."""
         per = 1 + self.num_speculative_blocks
         new = self.block_pool.get_new_blocks(per * len(t.columns))
-        out = []
         null = self.null_block
+        source = len(t.blocks) - 1
+        hit = source >= 0 and t.blocks[source] is not null
+        pad_to_running_slot(t, running, null)
+        out = []
         for k, (col, m) in enumerate(zip(t.columns, self._column_managers)):
-            source = len(col) - 1
-            pad_to_running_slot(col, running, null)
             mine = new[k * per : (k + 1) * per]
-            col.extend(mine)
-            if source >= 0 and col[source] is not null:
+            col += mine
+            if hit:
                 m._copy_plan.append((col[source].block_id, col[running].block_id))
             else:
                 m._zero_plan.append(col[running].block_id)
@@ -381,23 +382,19 @@ class MambaManager(SingleTypeKVCacheManager):
         return out
 
     def _grow(self, t: MambaTable, running: int, num_tokens: int, drafts: int) -> list[list[KVCacheBlock]]:
-        """Case GROW: the running slot moves from `source` to `running`; each column is padded,
-        its scratch below the running slot relocated, and one block taken; the last state is
-        copied into the new running block."""
+        """Case GROW: the running slot moves from `source` to `running`; every column's scratch
+        below the running slot is relocated (``relocate_scratch_blocks``, padding included),
+        which leaves exactly one block missing per column (the last scratch block); the last
+        state is copied into the new running block."""
         source = t.running_slot
-        null, nspec = self.null_block, self.num_speculative_blocks
+        relocate_scratch_blocks(t, running, self.num_speculative_blocks, self.null_block)
         cols = t.columns
-        for col in cols:
-            pad_to_running_slot(col, running, null)
-            relocate_scratch_blocks(col, source, running, nspec, null)
-        new = self.block_pool.get_new_blocks((running + 1 + nspec - len(cols[0])) * len(cols))
+        new = self.block_pool.get_new_blocks(len(cols))
         out = []
-        per = len(new) // len(cols)
-        for k, (col, m) in enumerate(zip(cols, self._column_managers)):
-            mine = new[k * per : (k + 1) * per]
-            col += mine
+        for col, m, block in zip(cols, self._column_managers, new):
+            col.append(block)
             m._copy_plan.append((col[source].block_id, col[running].block_id))
-            out.append(mine)
+            out.append([block])
         record_step(t, running, num_tokens, drafts, _GROW,
                     self.enable_caching and num_tokens == (running + 1) * self.block_size)
         return out
@@ -483,17 +480,22 @@ class MambaManager(SingleTypeKVCacheManager):
         t = self._tables.get(request.request_id)
         if t is None or not (t.positions or t.decode_steps or t.spare_pos):
             return
-        self._check_leader()
+        if self.is_follower:
+            self._check_leader()
         if t.decode_steps or t.spare_pos:  # latest: settle decode steps, publish a settled crossing
             self.decode.on_retire(request, t, self.column_ids, num_tokens)
-        if not t.positions:
-            return
         positions = t.positions
+        settled = []
+        for slot, pos in positions.items():
+            if pos <= num_tokens:
+                settled.append(slot)
+        if not settled:
+            return
         bs = self.block_size
         keys: Sequence[bytes] | None = None
         pool = self.block_pool
-        for slot, pos in [(s, p) for s, p in positions.items() if p <= num_tokens]:
-            del positions[slot]
+        for slot in settled:
+            pos = positions.pop(slot)
             if pos != (slot + 1) * bs or not self.enable_caching:
                 continue  # settled off its boundary (or no caching): nothing to publish
             if keys is None:
@@ -511,8 +513,8 @@ class MambaManager(SingleTypeKVCacheManager):
 
     # ------------------------------------------------------------------ retire
     def remove_skipped_blocks(self, request_id: str, num_processed_tokens: int) -> None:
-        """Retire (see the base class), after the checks of ``dead_slots``, which run in mode
-        NONE too (nothing is retired there).
+        """Retire (see the base class): ``dead_slots`` (its checks run in mode NONE too, where
+        nothing is retired), ``retire_slots``, ``settle``.
 
         Raises (nothing changed): as ``dead_slots``; InvalidRequestError for a follower."""
         if self.is_follower and request_id in self._tables:
@@ -570,14 +572,20 @@ class MambaManager(SingleTypeKVCacheManager):
         # Every column has column 0's null pattern (check_invariants): scan one, gather from all.
         real = real_slots(t.blocks, t.retired_below, stop, null)  # deepest first
         if real:
-            self.block_pool.free_blocks([col[i] for col in t.columns for i in real])
-        null_slots(t, stop, null)
+            freed = []
+            for col in t.columns:
+                for i in real:
+                    freed.append(col[i])
+            self.block_pool.free_blocks(freed)
+        null_slots(t, real, stop, null)
 
     def settle(self, table: BlockTable, num_processed_tokens: int) -> None:
         """Drop the verified entries that `num_processed_tokens` passed (``dead_slots`` applied
         their slot rule), and settle ``latest``'s decode steps."""
         t: MambaTable = table  # type: ignore[assignment]
         verified = t.verified
+        if not (verified or t.decode_steps):  # a prefill chunk's retire: nothing to settle
+            return
         while verified and verified[0][0] <= num_processed_tokens:
             verified.popleft()
         if t.decode_steps:

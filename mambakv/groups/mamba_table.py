@@ -152,23 +152,39 @@ class ColumnTable:
 
 
 # ---------------------------------------------------------------------- transitions
-def pad_to_running_slot(col: list[KVCacheBlock], running: int, null: KVCacheBlock) -> None:
-    """Fill a column with null up to (not including) the running slot: interior boundaries of
-    a multi-block chunk hold no state."""
-    if len(col) < running:
-        col.extend([null] * (running - len(col)))
+def pad_to_running_slot(t: MambaTable, running: int, null: KVCacheBlock) -> None:
+    """Fill every column with null up to (not including) the running slot: interior boundaries
+    of a multi-block chunk hold no state::
 
-
-def relocate_scratch_blocks(col: list[KVCacheBlock], source: int, running: int, nspec: int,
-                            null: KVCacheBlock) -> None:
-    """Move the scratch blocks after the old running slot `source` that now lie below the new
-    running slot to the end of the column and null their old slots (no new block, no copy)::
-
-        source 4, running 8, nspec 3:  [.. S 5 6 7]  ->  [.. S 0 0 0 5 6 7]
+        running 6:  [0 0 0 R S]  ->  [0 0 0 R S 0]     (a jump past the scratch blocks)
     """
-    for slot in range(source + 1, min(running, source + 1 + nspec)):
-        col.append(col[slot])
-        col[slot] = null
+    for col in t.columns:
+        if len(col) < running:
+            col.extend([null] * (running - len(col)))
+
+
+def relocate_scratch_blocks(t: MambaTable, running: int, nspec: int, null: KVCacheBlock) -> None:
+    """Case GROW's table change before its one new block: every column is padded with null up
+    to the new running slot (``pad_to_running_slot``: a jump past the scratch blocks), then the
+    scratch blocks after the old running slot that now lie below the new one move to the end of
+    the column, their old slots null (no new block, no copy)::
+
+        source 4, running 8, nspec 3:   [.. R 5 6 7]  ->  [.. R 0 0 0 5 6 7]       (5: running)
+        source 4, running 6, nspec 3:   [.. R 5 6 7]  ->  [.. R 0 6 7 5]           (6: running)
+        source 4, running 10, nspec 3:  [.. R 5 6 7]  ->  [.. R 0 0 0 0 0 5 6 7]   (a jump)
+
+    The column then lacks exactly its last scratch block. Slices, not a loop over slots: this runs
+    once per chunk of every long prefill."""
+    pad_to_running_slot(t, running, null)
+    lo = t.running_slot + 1
+    stop = min(running, lo + nspec)
+    if stop <= lo:
+        return
+    gap = [null] * (stop - lo)
+    for col in t.columns:
+        moved = col[lo:stop]
+        col[lo:stop] = gap
+        col += moved
 
 
 def move_running(t: MambaTable, running: int, null: KVCacheBlock) -> None:
@@ -222,11 +238,10 @@ def real_slots(blocks: list[KVCacheBlock], low: int, stop: int, null: KVCacheBlo
     return [i for i in range(stop - 1, low - 1, -1) if blocks[i] is not null]
 
 
-def null_slots(t: MambaTable, stop: int, null: KVCacheBlock) -> None:
-    """Null slots ``[watermark, stop)`` of every column and move the watermark to `stop` (their
-    blocks were freed)."""
-    low = t.retired_below
-    nulls = [null] * (stop - low)
+def null_slots(t: MambaTable, real: list[int], stop: int, null: KVCacheBlock) -> None:
+    """Null the `real` slots (``real_slots``: the rest of ``[watermark, stop)`` is null already)
+    of every column and move the watermark to `stop` (their blocks were freed)."""
     for col in t.columns:
-        col[low:stop] = nulls
+        for i in real:
+            col[i] = null
     t.retired_below = stop
