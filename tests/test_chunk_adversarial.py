@@ -1,12 +1,12 @@
-"""Adversarial lockstep tests of the fused prefill-chunk path (mambakv.coordinator_chunks,
-groups/chunks.py, groups/mamba_chunk.py, core/pool_fused.py) against the general path.
+"""Adversarial lockstep tests of the two ways an engine retires a step: ``allocate(...,
+num_processed_tokens=n)`` (side 0, one call) against ``retire(request_id, n)`` then ``allocate``
+(side 1), plus hand-counted prefill-chunk cases.
 
-Two coordinators are built from the same config: one as is (chunk path on), one with every
-manager's public ``chunks`` attribute set to False (general path). One random engine drives
-both *in lockstep*: every call is made on both, and its result (or the error it raised), the
-pool / queue / prefix map / tables snapshot, every ``describe()``, the prefix-cache stats, the
+Two coordinators are built from the same config. One random engine drives both *in
+lockstep*: every call is made on both, and its result (or the error it raised), the pool /
+queue / prefix map / tables snapshot, every ``describe()``, the prefix-cache stats, the
 eviction count and (with events) the KV events must be equal after each call. Unlike
-tests/test_chunk_path.py the engine also preempts and re-admits requests (hits on their own
+tests/test_prefill_chunks.py the engine also preempts and re-admits requests (hits on their own
 prefix, the same hashes published twice), calls ``evict_blocks`` / ``reset_prefix_cache`` /
 ``preempt_all``, runs the pool dry, caps lookahead at ``max_model_len``, and retires with
 invalid counts through ``retire`` and ``allocate(num_processed_tokens=)``.
@@ -70,13 +70,9 @@ def _configs() -> dict[str, tuple[int, tuple, dict]]:
 CONFIGS = _configs()
 
 
-def build(name: str, chunks: bool, *, max_model_len: int = 2048) -> KVCacheCoordinator:
+def build(name: str, *, max_model_len: int = 2048) -> KVCacheCoordinator:
     num_blocks, specs, kw = CONFIGS[name]
-    coord = coordinator(num_blocks, *specs, max_model_len=max_model_len, **kw)
-    if not chunks:
-        for mgr in coord.managers:
-            mgr.chunks = False
-    return coord
+    return coordinator(num_blocks, *specs, max_model_len=max_model_len, **kw)
 
 
 def _ids(res) -> object:
@@ -113,12 +109,12 @@ class Lockstep:
     """Two coordinators driven by the same calls; every result and the state after every call
     compared. Requests exist twice (one object per coordinator): ``reqs[rid] = (a, b)``."""
 
-    def __init__(self, make: Callable[[bool], KVCacheCoordinator], *, events: bool = False) -> None:
-        self.a, self.b = make(True), make(False)
+    def __init__(self, make: Callable[[], KVCacheCoordinator], *, events: bool = False) -> None:
+        self.a, self.b = make(), make()
         self.events = events
         self.calls = 0
         #: side 1 retires ``num_processed_tokens`` by ``retire`` before ``allocate`` instead
-        self.split = False
+        self.split = True
 
     def call(self, what: str, fn: Callable[[KVCacheCoordinator, int], object]) -> object:
         """``fn(coord, side)`` on both; returns the (equal) result; errors as ('error', name)."""
@@ -249,7 +245,11 @@ def engine(ls: Lockstep, seed: int, steps: int = 150, *, retire_in_allocate: flo
                 if tok is not None and req.num_computed_tokens >= req.num_tokens:
                     req.append_output_token_ids([tok])
                 if side == 1 and ls.split and "num_processed_tokens" in kw:
-                    c.retire(req.request_id, kw["num_processed_tokens"])
+                    # allocate's own checks (max_model_len, scratch blocks for the drafts) come
+                    # before its retire: a step they refuse retires nothing
+                    most = min((m.num_speculative_blocks for m in c.mamba_managers), default=drafts)
+                    if req.num_computed_tokens + n <= c.max_model_len and drafts <= most:
+                        c.retire(req.request_id, kw["num_processed_tokens"])
                     res = c.allocate(req, n, num_draft_tokens=drafts, num_lookahead_tokens=la)
                 else:
                     res = c.allocate(req, n, num_draft_tokens=drafts, num_lookahead_tokens=la, **kw)
@@ -341,7 +341,7 @@ def test_lockstep_engine(name: str) -> None:
     """The full random engine, per config: results, errors and state equal after each call."""
     events = CONFIGS[name][2].get("enable_kv_cache_events", False)
     for seed in range(4):
-        ls = Lockstep(lambda ch: build(name, ch), events=events)
+        ls = Lockstep(lambda: build(name), events=events)
         engine(ls, seed, steps=120, rewind=seed % 2 == 1)
 
 
@@ -349,25 +349,23 @@ def test_max_model_len_variant_engine() -> None:
     """The engine with a small max_model_len: lookahead capped at the cap, steps refused past it."""
     for name in ("hbs8-hybrid", "interleaved", "pressure", "latest"):
         for seed in range(4):
-            ls = Lockstep(lambda ch, name=name: build(name, ch, max_model_len=333))
+            ls = Lockstep(lambda name=name: build(name, max_model_len=333))
             engine(ls, seed, steps=120, lookahead=(0, 7, 60, 400))
 
 
 @pytest.mark.parametrize("name", ["hbs8-hybrid", "two-mamba-specs", "interleaved", "latest", "sliding-only",
                                   "mamba-only-two", "pressure", "events"])
 def test_retire_in_allocate_equals_retire_then_allocate(name: str) -> None:
-    """Side 0: ``allocate(..., num_processed_tokens=n)``; side 1: ``retire(rid, n)`` then
-    ``allocate``; both with the chunk path (and, second run, side 1 on the general path)."""
+    """Every step retires: side 0 by ``allocate(..., num_processed_tokens=n)``, side 1 by
+    ``retire(rid, n)`` then ``allocate``."""
     events = CONFIGS[name][2].get("enable_kv_cache_events", False)
-    for general in (False, True):
-        for seed in range(3):
-            ls = Lockstep(lambda ch, general=general: build(name, ch or not general), events=events)
-            ls.split = True
-            engine(ls, seed, steps=120, retire_in_allocate=1.0)
+    for seed in range(6):
+        ls = Lockstep(lambda: build(name), events=events)
+        engine(ls, seed, steps=120, retire_in_allocate=1.0)
 
 
 # ------------------------------------------------------------------ deterministic cases
-def _pair(make: Callable[[bool], KVCacheCoordinator], **kw) -> Lockstep:
+def _pair(make: Callable[[], KVCacheCoordinator], **kw) -> Lockstep:
     return Lockstep(make, **kw)
 
 
@@ -386,8 +384,7 @@ def test_chunk_jumps_past_the_scratch_blocks_by_hand() -> None:
     (running 1 -> 2, no scratch block below it): FA pops 6 first, Mamba 7: [0 3 4 5 7], copy
     3 -> 4. Chunk to 320 (running 19, both scratch blocks below it): FA pops 8..24, Mamba
     25; the gap goes in before the scratch blocks: [0 3 4 0*16 5 7 25], copy 4 -> 5."""
-    ls = _pair(lambda ch: coordinator(60, fa_spec(16), mamba_spec(16, 2), max_model_len=2048)
-               if ch else _general(coordinator(60, fa_spec(16), mamba_spec(16, 2), max_model_len=2048)))
+    ls = _pair(lambda: coordinator(60, fa_spec(16), mamba_spec(16, 2), max_model_len=2048))
     pair = (Request("a", list(range(400))), Request("a", list(range(400))))
     assert _step(ls, pair, 32) == ([1, 2], [3, 4, 5])
     ls.call("plan", lambda c, s: c.take_step_plan())
@@ -401,7 +398,7 @@ def test_chunk_jumps_past_the_scratch_blocks_by_hand() -> None:
     assert view is not None
     assert view.tables[1].block_ids == (0, 3, 4, *([0] * 16), 5, 7, 25)
     assert view.tables[1].positions == ((1, 32), (2, 48), (19, 320))
-    # one retire settles three tags (the general publication inside the chunk retire)
+    # one retire settles three tags
     ls.call("retire 320", lambda c, s: c.retire("a", 320))
     view = ls.a.describe("a")
     assert view is not None and view.tables[1].retired_below == 19 and view.tables[1].positions == ()
@@ -411,16 +408,9 @@ def test_chunk_jumps_past_the_scratch_blocks_by_hand() -> None:
     assert ls.a.block_pool.get_cached_block(h[2], [1])[0].block_id == 4  # type: ignore[index]
 
 
-def _general(coord: KVCacheCoordinator) -> KVCacheCoordinator:
-    for m in coord.managers:
-        m.chunks = False
-    return coord
-
-
-def _make(num_blocks: int, *specs, max_model_len: int = 2048, **kw) -> Callable[[bool], KVCacheCoordinator]:
-    def make(ch: bool) -> KVCacheCoordinator:
-        c = coordinator(num_blocks, *specs, max_model_len=max_model_len, **kw)
-        return c if ch else _general(c)
+def _make(num_blocks: int, *specs, max_model_len: int = 2048, **kw) -> Callable[[], KVCacheCoordinator]:
+    def make() -> KVCacheCoordinator:
+        return coordinator(num_blocks, *specs, max_model_len=max_model_len, **kw)
     return make
 
 
@@ -430,9 +420,8 @@ def test_same_hash_published_twice_then_evicted_by_the_mamba_pop(events: bool) -
     Mamba 5) and is freed unretired (no Mamba state published): queue 5 6 7 8 | 4 3 2 1.
     B, same prompt, gets no hit (no Mamba state): its admission to 32 takes FA 5 6 (H0, H1:
     two copies each), Mamba 7. Its chunk to 64 takes FA 8 4 (4 still holds H3: evicted, then
-    H2 -> 8, H3 -> 4) and Mamba 3, which still holds H2: the chunk path publishes H2 first
-    and evicts 3 after; the general path evicts first. Same map either way: H0 {1, 5},
-    H1 {2, 6}, H2 8, H3 4; two evictions."""
+    H2 -> 8, H3 -> 4) and Mamba 3, which still holds H2 (every group pops before attention
+    publishes: 3 is evicted first). The map: H0 {1, 5}, H1 {2, 6}, H2 8, H3 4; two evictions."""
     ls = _pair(_make(9, fa_spec(16), mamba_spec(16, 0), enable_kv_cache_events=events), events=events)
     prompt = list(range(100))
     a = (Request("a", prompt), Request("a", prompt))
@@ -463,7 +452,7 @@ def test_invalid_counts_raise_the_same_and_change_nothing(name: str) -> None:
     import numpy as np
 
     events = CONFIGS[name][2].get("enable_kv_cache_events", False)
-    ls = Lockstep(lambda ch: build(name, ch), events=events)
+    ls = Lockstep(lambda: build(name), events=events)
     pair = (Request("q", list(range(300))), Request("q", list(range(300))))
     _step(ls, pair, 48)
     _step(ls, pair, 40)  # a chunk: 88 scheduled
@@ -529,7 +518,7 @@ def test_in_flight_lag(name: str, lag: int) -> None:
     events = CONFIGS[name][2].get("enable_kv_cache_events", False)
     rng = random.Random(lag * 101 + len(name))
     for chunk in (16, 32, 48, 80, 23):
-        ls = Lockstep(lambda ch: build(name, ch), events=events)
+        ls = Lockstep(lambda: build(name), events=events)
         prompt = BASES[0][: 300 + lag]
         pair = (Request("L", prompt), Request("L", prompt))
         ends: list[int] = []
@@ -574,8 +563,8 @@ def test_in_flight_lag(name: str, lag: int) -> None:
 
 def test_mamba_quiet_while_attention_grows() -> None:
     """Mamba block 32, attention 16: a chunk from 33 to 48 stays in Mamba's running slot 1
-    (the Mamba policy is quiet, chunk_need -1: general path) while attention publishes a
-    block and grows for lookahead; then a chunk from 48 to 96 grows both (chunk path)."""
+    (the Mamba policy is quiet: it is skipped) while attention publishes a block and grows for
+    lookahead; then a chunk from 48 to 96 grows both."""
     ls = Lockstep(_make(60, fa_spec(16), mamba_spec(32, 1)))
     pair = (Request("m", list(range(500))), Request("m", list(range(500))))
     _step(ls, pair, 33)
@@ -594,31 +583,23 @@ def test_map_key_order_when_a_later_policy_evicts_a_just_published_hash() -> Non
     """Two FA groups (block 16), 9 blocks. A (60-token prompt) takes g0 1 2 (H0 H1), g1 3 4;
     Q takes g0 5 (Z), g1 6; A is freed: queue 7 8 9 | 2 1 4 3. B (A's prompt, no hit used)
     takes g0 7, g1 8 (H0: two copies each), then its chunk to 32: g0 pops 9 and g1 pops 2,
-    which still holds H1 in group 0. The general path pops both first: 2 is evicted (group
-    0's H1 key deleted), then 9 is published (H1 re-inserted after Z). The chunk path used to
-    publish 9 first (H1 -> {2, 9}) and then evict 2 (the entry collapsed to 9 in place: same
-    contents {H0: (1, 7), H1: 9, Z: 5}, another dict order); now a hash the group already has
-    is published after every group's pop, as on the general path."""
-    orders = []
-    contents = []
-    for ch in (True, False):
-        c = _make(10, fa_spec(16), fa_spec(16))(ch)
-        prompt = list(range(100, 160))
-        a, q, b = Request("a", prompt), Request("q", list(range(500, 520))), Request("b", prompt)
-        assert _ids(c.allocate(a, 32, num_draft_tokens=0)) == ([1, 2], [3, 4])
-        assert _ids(c.allocate(q, 16, num_draft_tokens=0)) == ([5], [6])
-        c.free("a")
-        assert _ids(c.allocate(b, 16, num_draft_tokens=0)) == ([7], [8])
-        b.num_computed_tokens = 16
-        assert _ids(c.allocate(b, 16, num_draft_tokens=0)) == ([9], [2])
-        h, z = b.block_hashes, q.block_hashes[0]
-        name = {h[0]: "H0", h[1]: "H1", z: "Z"}
-        m0 = c.block_pool.cached_block_hash_to_block[0]
-        orders.append([name[k] for k in m0])
-        contents.append(ordered_map(c))
-    assert contents[0] == contents[1]
-    assert orders[1] == ["H0", "Z", "H1"]  # general path
-    assert orders[0] == orders[1]  # chunk path: ["H0", "H1", "Z"]
+    which still holds H1 in group 0. Every group pops before any publishes: 2 is evicted
+    (group 0's H1 key deleted), then 9 is published (H1 re-inserted after Z): keys H0, Z, H1,
+    map {H0: (1, 7), H1: 9, Z: 5} in group 0."""
+    c = _make(10, fa_spec(16), fa_spec(16))()
+    prompt = list(range(100, 160))
+    a, q, b = Request("a", prompt), Request("q", list(range(500, 520))), Request("b", prompt)
+    assert _ids(c.allocate(a, 32, num_draft_tokens=0)) == ([1, 2], [3, 4])
+    assert _ids(c.allocate(q, 16, num_draft_tokens=0)) == ([5], [6])
+    c.free("a")
+    assert _ids(c.allocate(b, 16, num_draft_tokens=0)) == ([7], [8])
+    b.num_computed_tokens = 16
+    assert _ids(c.allocate(b, 16, num_draft_tokens=0)) == ([9], [2])
+    h, z = b.block_hashes, q.block_hashes[0]
+    name = {h[0]: "H0", h[1]: "H1", z: "Z"}
+    m0 = c.block_pool.cached_block_hash_to_block[0]
+    assert [name[k] for k in m0] == ["H0", "Z", "H1"]
+    assert ordered_map(c)[0] == {h[0]: (1, 7), z: 5, h[1]: 9}
 
 
 def test_a_refused_rewrite_of_a_published_state_changes_nothing() -> None:
@@ -628,55 +609,27 @@ def test_a_refused_rewrite_of_a_published_state_changes_nothing() -> None:
     raises InvalidTokenCountError (slot 1 is published). FA used to grow from [1 2] to
     [1 2 6 7 8] first and keep the blocks; now every Mamba policy is asked
     (``check_writable_step``) before any group commits: nothing changes."""
-    for ch in (True, False):
-        c = _make(60, fa_spec(16), mamba_spec(16, 2))(ch)
-        req = Request("a", list(range(100)))
-        c.allocate(req, 32, num_draft_tokens=0)
-        req.num_computed_tokens = 32
-        c.retire("a", 32)
-        req.num_computed_tokens = 20
-        before = full_state(c)
-        with pytest.raises(MambaKVError):
-            c.allocate(req, 12, num_draft_tokens=0, num_lookahead_tokens=40)
-        assert full_state(c) == before, c.get_block_ids("a")
+    c = _make(60, fa_spec(16), mamba_spec(16, 2))()
+    req = Request("a", list(range(100)))
+    c.allocate(req, 32, num_draft_tokens=0)
+    req.num_computed_tokens = 32
+    c.retire("a", 32)
+    req.num_computed_tokens = 20
+    before = full_state(c)
+    with pytest.raises(MambaKVError):
+        c.allocate(req, 12, num_draft_tokens=0, num_lookahead_tokens=40)
+    assert full_state(c) == before, c.get_block_ids("a")
 
 
 def test_too_many_drafts_leaves_the_clock() -> None:
     """5 drafts against 2 speculative blocks: InvalidDraftCountError, and the clock stays at 0.0
     (it used to move to 5.0 first: the draft check ran after ``now`` was set)."""
-    for ch in (True, False):
-        c = _make(60, fa_spec(16), mamba_spec(16, 2))(ch)
-        req = Request("a", list(range(40)))
-        c.allocate(req, 40, num_draft_tokens=0)
-        req.num_computed_tokens = 40
-        req.append_output_token_ids([1])
-        before = full_state(c)
-        with pytest.raises(MambaKVError):
-            c.allocate(req, 6, num_draft_tokens=5, now=5.0)
-        assert full_state(c) == before and c.now == 0.0
-
-
-class ToggledLockstep(Lockstep):
-    """Side 0 switches its managers' ``chunks`` at random before each call (the hidden state
-    one path leaves, next events and thresholds included, must serve the other); side 1 is
-    the general path throughout."""
-
-    def __init__(self, make: Callable[[bool], KVCacheCoordinator], seed: int, **kw) -> None:
-        super().__init__(make, **kw)
-        self.rng = random.Random(seed ^ 0x5EED)
-        self.fusable = [mgr.chunks for mgr in self.a.managers]  # never switch on a manager built without
-
-    def call(self, what: str, fn: Callable[[KVCacheCoordinator, int], object]) -> object:
-        on = self.rng.random() < 0.6
-        for mgr, ok in zip(self.a.managers, self.fusable):
-            mgr.chunks = ok and on and self.rng.random() < 0.9
-        return super().call(what, fn)
-
-
-@pytest.mark.parametrize("name", ["hbs8-hybrid", "interleaved", "events", "two-mamba-specs", "pressure-sliding",
-                                  "mode-none"])
-def test_switching_paths_mid_run(name: str) -> None:
-    events = CONFIGS[name][2].get("enable_kv_cache_events", False)
-    for seed in range(3):
-        ls = ToggledLockstep(lambda ch: build(name, ch), seed, events=events)
-        engine(ls, seed, steps=120, rewind=True)
+    c = _make(60, fa_spec(16), mamba_spec(16, 2))()
+    req = Request("a", list(range(40)))
+    c.allocate(req, 40, num_draft_tokens=0)
+    req.num_computed_tokens = 40
+    req.append_output_token_ids([1])
+    before = full_state(c)
+    with pytest.raises(MambaKVError):
+        c.allocate(req, 6, num_draft_tokens=5, now=5.0)
+    assert full_state(c) == before and c.now == 0.0

@@ -311,7 +311,7 @@ def test_rejection_boundary_in_runner():
 
 
 def test_plot_series_runs_to_the_last_step():
-    from mambakv.cli import plot_series
+    from mambakv.cli.plot import plot_series
     from mambakv.sim.runner import run_replay
 
     # default replay: 59 aligned chunks + the last 223 tokens = 60 allocating steps, then
@@ -326,7 +326,7 @@ def test_plot_series_runs_to_the_last_step():
 
 
 def test_identical_groups_merge_into_one_band():
-    from mambakv.cli import merge_identical_groups
+    from mambakv.cli.plot import merge_identical_groups
 
     kinds = ["full_attention", "mamba", "mamba", "mamba"]
     assert merge_identical_groups(kinds, [(5, 2, 2, 2), (9, 3, 3, 3)]) == [([0], "full_attention"),
@@ -382,7 +382,7 @@ def test_trace_budget_hint_uses_the_longest_request_that_runs(tmp_path, capsys):
 def test_write_plot_of_a_bare_library_run(tmp_path):
     # run_workload without settings (a library user's own run): the chart needs only the result
     pytest.importorskip("matplotlib")
-    from mambakv.cli import write_plot
+    from mambakv.cli.plot import write_plot
     from mambakv.sim.runner import build_coordinator, run_workload
     from mambakv.sim.workloads import long_prefill
 

@@ -336,7 +336,7 @@ def test_cli_choices_are_the_simulators_and_the_parser_loads_no_simulator():
     import subprocess
     import sys
 
-    from mambakv import cli
+    from mambakv.cli import fleet as cli
     from mambakv.sim.fleet import INDEXES
     from mambakv.sim.router import DEFAULT_LOAD_BOUND, ROUTERS
 

@@ -10,10 +10,10 @@ import torch
 from mambakv.core.arena import SuperblockGeometry
 from mambakv.core.errors import InvalidCopyPlanError, InvalidSpecError
 from mambakv.core.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+from mambakv.core.transfers import BlockKind, LoadPlan, Tier, Transfer, TransferPlan
 from mambakv.device import HostArena
 from mambakv.device.decoupled import DecoupledLayout
 from mambakv.device.layout import HybridLayout
-from mambakv.transfers import BlockKind, LoadPlan, Tier, Transfer, TransferPlan
 
 GPU, HOST, PAGE, STATE = Tier.GPU, Tier.HOST, BlockKind.PAGE, BlockKind.STATE
 

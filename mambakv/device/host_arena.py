@@ -1,5 +1,5 @@
 """A pinned host (CPU) arena mirroring a device layout's rows, and the batched copies of
-:mod:`mambakv.transfers` plans between the two.
+:mod:`mambakv.core.transfers` plans between the two.
 
 The host arena has the device layout's ``group_size`` raw uint8 tensors with the same row
 structure, only its own row count (the host :class:`SuperblockGeometry`'s ``num_superblocks``).
@@ -29,10 +29,10 @@ import torch
 
 from mambakv.core.arena_geometry import SuperblockGeometry
 from mambakv.core.errors import InvalidCopyPlanError, InvalidSpecError
+from mambakv.core.transfers import BlockKind, Tier, Transfer, TransferPlan
 from mambakv.device.decoupled import DecoupledLayout
 from mambakv.device.layout import HybridLayout
 from mambakv.device.views import wide_rows
-from mambakv.transfers import BlockKind, Tier, Transfer, TransferPlan
 
 __all__ = ["HostArena"]
 

@@ -40,7 +40,6 @@ from mambakv.core.errors import MambaKVError
 from mambakv.core.events import KVCacheEvent
 from mambakv.core.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from mambakv.events.announce import RouterAnnouncer
-from mambakv.events.publisher_sockets import END_SEQ, SocketsMixin
 from mambakv.events.wire import encode_batch, to_wire_batch
 
 if TYPE_CHECKING:
@@ -49,6 +48,8 @@ if TYPE_CHECKING:
 __all__ = ["END_SEQ", "PublisherClosedError", "ZmqEventPublisher"]
 
 _STOP = object()
+#: the replay end marker's sequence frame
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class PublisherClosedError(MambaKVError, RuntimeError):
@@ -69,7 +70,7 @@ def spec_kinds_of(coord: KVCacheCoordinator) -> dict[int, str]:
     return out
 
 
-class ZmqEventPublisher(SocketsMixin):
+class ZmqEventPublisher:
     """Sends event batches on a ZMQ PUB socket from a background thread (module docstring).
 
     Args:
@@ -229,6 +230,50 @@ class ZmqEventPublisher(SocketsMixin):
         self.close()
 
     # ------------------------------------------------------------------ the thread
+    # ------------------------------------------------------------------ the thread's sockets
+    def _should_bind(self, endpoint: str) -> bool:
+        if self._bind is not None:
+            return self._bind
+        return ("*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+                or endpoint.startswith(("tcp://127.", "tcp://localhost")))
+
+    def _setup(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]:
+        pub = self._ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, self._hwm)
+        pub.setsockopt(zmq.LINGER, 0)
+        replay = None
+        try:
+            if self._should_bind(self.endpoint):
+                pub.bind(self.endpoint)
+                self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                pub.connect(self.endpoint)
+            if self.replay_endpoint is not None:
+                replay = self._ctx.socket(zmq.ROUTER)
+                replay.setsockopt(zmq.LINGER, 0)
+                # room for one whole replay and its end marker
+                replay.setsockopt(zmq.SNDHWM, 2 * (self._buffer_steps + 1))
+                replay.bind(self.replay_endpoint)
+                self.replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError:
+            pub.close()
+            if replay is not None:
+                replay.close()
+            raise
+        return pub, replay
+
+    def _serve_replay(self, replay: zmq.Socket[bytes], topic: bytes) -> None:
+        frames = replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            return  # not a replay request: ignored
+        client, _, start = frames
+        start_seq = int.from_bytes(start, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= start_seq:
+                replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
+                self.num_replayed += 1
+        replay.send_multipart((client, b"", b"", END_SEQ, b""))
+
     def _run(self) -> None:
         try:
             pub, replay = self._setup()

@@ -31,23 +31,22 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mambakv.coordinator import KVCacheCoordinator
 from mambakv.core.errors import InvalidSpecError, MambaKVError
 from mambakv.events.announce import RouterAnnouncer
-from mambakv.fleet_report import FLEET_HELP, format_fleet_report
 from mambakv.groups import group_block_hashes
 from mambakv.sim.conversation import REPLAY_MODES, chain_hooks, prepare_replay
-from mambakv.sim.fleet_result import FleetResult, percentile, write_fleet_plot
 from mambakv.sim.results import SimRequest
 from mambakv.sim.router import DEFAULT_LOAD_BOUND, ROUTERS, DynamoIndex, PrefixIndex, RouterKind, choose, least_loaded
 from mambakv.sim.runner import DEFAULT_MODEL, build_coordinator
 from mambakv.sim.scheduler import Scheduler
 from mambakv.sim.workloads import RequestSpec, load_trace
 
-__all__ = ["FLEET_HELP", "INDEXES", "Fleet", "FleetResult", "format_fleet_report", "percentile", "run_fleet", "write_fleet_plot"]
+__all__ = ["INDEXES", "Fleet", "FleetResult", "percentile", "run_fleet"]
 
 #: ``--index`` values of the kv router: mambakv's own index, or Dynamo's RadixTree.
 INDEXES = ("mambakv", "dynamo")
@@ -228,6 +227,63 @@ class Fleet:
             else:
                 break
         self.wall_s += _now() - t0
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile: the ``ceil(q/100 x n)``-th smallest value (0.0 for none);
+    p90 of [0, 34.4] is 34.4."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
+
+
+@dataclass
+class FleetResult:
+    """A finished fleet run; ``to_dict()`` is what ``mambakv fleet --json`` prints."""
+
+    fleet: Fleet
+    settings: dict[str, Any] = field(default_factory=dict)
+    rejected: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        insts = self.fleet.instances
+        ms = [inst.sched.metrics for inst in insts]
+        prompt = sum(m.prompt_tokens for m in ms)
+        cached = sum(m.cached_tokens for m in ms)
+        scheduled = sum(m.scheduled_tokens for m in ms)
+        delays = [d for inst in insts for d in inst.delays_ms]
+        per = []
+        for inst, m in zip(insts, ms):
+            per.append({
+                "instance": inst.index, "requests": inst.routed, "finished": m.finished,
+                "prompt_tokens": m.prompt_tokens, "cached_tokens": m.cached_tokens, "hit_rate": round(m.hit_rate, 6),
+                "preemptions": m.preemptions, "peak_running": m.peak_running, "peak_waiting": inst.peak_waiting,
+                "scheduled_tokens": m.scheduled_tokens,
+                "scheduled_share": round(m.scheduled_tokens / scheduled, 6) if scheduled else 0.0,
+                "queue_delay_ms_mean": round(sum(inst.delays_ms) / len(inst.delays_ms), 3) if inst.delays_ms else 0.0,
+                "steps": m.steps, "sim_clock_ms": round(m.clock_ms, 3),
+                "evictions": inst.sched.coord.block_pool.num_evictions,
+            })
+        return {
+            **self.settings,
+            "requests": sum(m.requests for m in ms) + self.rejected,
+            "finished": sum(m.finished for m in ms),
+            "rejected": self.rejected,
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "hit_rate": round(cached / prompt, 6) if prompt else 0.0,
+            "preemptions": sum(m.preemptions for m in ms),
+            "queue_delay_ms_mean": round(sum(delays) / len(delays), 3) if delays else 0.0,
+            "queue_delay_ms_p90": round(percentile(delays, 90), 3),
+            "scheduled_tokens": scheduled,
+            "max_scheduled_share": max(p["scheduled_share"] for p in per),
+            "sim_clock_ms": round(max(m.clock_ms for m in ms), 3),
+            "wall_s": round(self.fleet.wall_s, 3),
+            "per_instance": per,
+            **self.extra,
+        }
 
 
 def run_fleet(path: str | Path, model: str | Path = DEFAULT_MODEL, *, instances: int = 4,

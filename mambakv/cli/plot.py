@@ -10,13 +10,14 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mambakv.cli.report import GIB, MIB
 from mambakv.core.errors import MambaKVError
-from mambakv.report import GIB, MIB
 
 if TYPE_CHECKING:
     from mambakv.sim.runner import SimResult
 
-__all__ = ["PLOT_SUFFIXES", "check_plot_path", "merge_identical_groups", "plot_budget", "plot_series", "write_plot"]
+__all__ = ["PLOT_SUFFIXES", "check_plot_path", "merge_identical_groups", "plot_budget", "plot_series", "write_fleet_plot",
+           "write_plot"]
 
 #: File types ``--plot`` writes (matplotlib picks the format from the suffix).
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
@@ -190,3 +191,27 @@ def plot_hits(axh: Any, steps: list[int], hits: list[float], d: dict[str, Any]) 
     axh.grid(alpha=0.3)
     axh.text(1.02, 0.5, f"final hit rate {d['hit_rate']:.4f}\n{d['cached_tokens']:,} of {d['prompt_tokens']:,}\n"
              f"prompt tokens cached", transform=axh.transAxes, va="center", fontsize="small")
+
+
+def write_fleet_plot(d: dict[str, Any], path: str) -> None:
+    """Bars per instance: share of scheduled tokens and hit rate (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per = d["per_instance"]
+    x = [p["instance"] for p in per]
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.8 * len(x) + 2), 3.5))
+    w = 0.4
+    ax.bar([i - w / 2 for i in x], [p["scheduled_share"] for p in per], w, label="share of scheduled tokens")
+    ax.bar([i + w / 2 for i in x], [p["hit_rate"] for p in per], w, label="hit rate")
+    ax.axhline(1 / len(x), color="grey", linestyle=":", linewidth=1, label="even share")
+    ax.set_xticks(x)
+    ax.set_xlabel("instance")
+    ax.set_ylim(0, 1.35 * max([1 / len(x)] + [max(p["scheduled_share"], p["hit_rate"]) for p in per]))
+    ax.set_title(f"{d['instances']} instances, router {d['router']}: fleet hit rate {d['hit_rate']:.4f}")
+    ax.legend(fontsize="small", loc="upper center", ncol=3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -6,9 +6,9 @@ import argparse
 import json
 import sys
 
-from mambakv.cli_args import COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, number, progress
+from mambakv.cli.args import COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, number, progress
+from mambakv.cli.plot import check_plot_path
 from mambakv.models.kv_config import LAYOUTS
-from mambakv.plot import check_plot_path
 
 __all__ = ["FLEET_INDEXES", "FLEET_LOAD_BOUND", "FLEET_ROUTERS", "add_fleet_arguments", "run_fleet_command"]
 
@@ -48,9 +48,10 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_fleet_command(args: argparse.Namespace) -> str:
-    from mambakv.fleet_report import format_fleet_report
+    from mambakv.cli.fleet_report import format_fleet_report
+    from mambakv.cli.plot import write_fleet_plot
     from mambakv.sim import DEFAULT_MODEL, load_trace
-    from mambakv.sim.fleet import run_fleet, write_fleet_plot
+    from mambakv.sim.fleet import run_fleet
 
     check_plot_path(args.plot)
     specs = load_trace(args.path, limit=args.limit, skip=args.skip)

@@ -1,8 +1,7 @@
-"""The fused prefill chunk (mambakv.coordinator_steps, groups/chunks.py, groups/mamba_chunk.py)
-against the general path: the same random engine, run once with the chunk path and once with
-every policy's ``chunks`` turned off, must see the same results and the same state after every
-call (allocations, plans, free-queue order, every block's ref count and hash, the prefix-cache
-map, every live table, errors raised)."""
+"""Prefill chunks and the one-call retire: ``allocate(..., num_processed_tokens=n)`` must come
+to exactly what ``retire(request_id, n)`` then ``allocate`` does (results, plans, free-queue
+order, every block's ref count and hash, the prefix-cache map, every live table, errors raised),
+and a long chunked prefill ends in the hand-counted table."""
 
 from __future__ import annotations
 
@@ -29,13 +28,9 @@ def configs() -> dict[str, tuple]:
     }
 
 
-def build(name: str, chunks: bool, **kw) -> KVCacheCoordinator:
+def build(name: str, **kw) -> KVCacheCoordinator:
     num_blocks, *specs = configs()[name]
-    coord = coordinator(num_blocks, *specs, max_model_len=2048, **kw)
-    if not chunks:
-        for m in coord.managers:
-            m.chunks = False
-    return coord
+    return coordinator(num_blocks, *specs, max_model_len=2048, **kw)
 
 
 def state(coord: KVCacheCoordinator) -> tuple:
@@ -131,7 +126,7 @@ def drive(coord: KVCacheCoordinator, seed: int, steps: int = 120, *, retire_in_a
                 del reqs[rid]
                 drafted.pop(rid, None)
                 out.append(("free", rid))
-        except MambaKVError as e:  # both paths must refuse the same calls, changing nothing
+        except MambaKVError as e:  # both routes must refuse the same calls, changing nothing
             out.append(("error", type(e).__name__))
         out.append(coord.take_step_plan())
         out.append(state(coord))
@@ -140,24 +135,15 @@ def drive(coord: KVCacheCoordinator, seed: int, steps: int = 120, *, retire_in_a
 
 
 @pytest.mark.parametrize("name", sorted(configs()))
-def test_chunk_path_matches_general_path(name: str) -> None:
-    for seed in range(12):
-        fused, general = drive(build(name, True), seed), drive(build(name, False), seed)
-        assert len(fused) == len(general)
-        for k, (a, b) in enumerate(zip(fused, general)):
-            assert a == b, f"{name} seed {seed}: record {k} differs"
-
-
-@pytest.mark.parametrize("name", ["hybrid", "sliding+mamba", "latest", "mamba-only"])
 def test_retire_in_allocate_matches_retire_then_allocate(name: str) -> None:
     for seed in range(12):
-        assert drive(build(name, True), seed, retire_in_allocate=True) == drive(build(name, True), seed)
+        assert drive(build(name), seed, retire_in_allocate=True) == drive(build(name), seed)
 
 
 def test_retire_in_allocate_checks() -> None:
     """``allocate(..., num_processed_tokens=n)`` refuses what ``retire`` refuses (nothing
     changed, the clock included), and is a no-op retire for 0 and for a new request."""
-    coord = build("hybrid", True)
+    coord = build("hybrid")
     req = Request("k", list(range(64)))
     assert coord.allocate(req, 32, num_draft_tokens=0, num_processed_tokens=0) is not None  # new: no retire
     req.num_computed_tokens = 32
@@ -175,37 +161,43 @@ def test_retire_in_allocate_checks() -> None:
     assert coord.block_pool.get_cached_block(req.block_hashes[1], [1, 2, 3]) is not None
 
 
-def test_chunk_path_with_events_and_eagle() -> None:
+def test_retire_in_allocate_with_events_and_eagle() -> None:
     for seed in range(8):
         for kw in ({"enable_kv_cache_events": True}, {"use_eagle": True}):
-            fused, general = build("hybrid", True, **kw), build("hybrid", False, **kw)
-            assert drive(fused, seed) == drive(general, seed)
+            one, two = build("hybrid", **kw), build("hybrid", **kw)
+            assert drive(one, seed, retire_in_allocate=True) == drive(two, seed)
             if kw.get("enable_kv_cache_events"):
-                assert fused.take_events() == general.take_events()
+                assert one.take_events() == two.take_events()
 
 
-def test_long_prefill_takes_the_chunk_path() -> None:
-    """Hand count: block 16, 2 speculative blocks, chunks of 64 tokens. The first chunk is the
-    admission (general path); each later chunk is a chunk step for both policies (the attention
-    table grows by 4 blocks, each Mamba column by one), so 9 later chunks of a 640-token prompt
-    make 9 grow_chunk calls per policy. Each of the 9 retires is a chunk retire of the Mamba
-    policy only: the attention table published every full block at allocation, so its next
-    event (the next block boundary, 16 tokens past the scheduled ones) lies beyond every
-    processed count and the retire skips it."""
-    coord = build("hybrid", True)
-    calls = {"grow": 0, "retire": 0}
+def test_the_retire_in_allocate_comparison_has_teeth() -> None:
+    """A retire inside allocate that forgets to publish (so a settled state is never cached)
+    must make the comparison fail."""
+    def planted(coord: KVCacheCoordinator) -> KVCacheCoordinator:
+        for m in coord.mamba_managers:
+            m.cache_blocks = lambda request, num_tokens: None  # type: ignore[method-assign]
+        return coord
+
+    assert any(drive(planted(build("hybrid")), seed, retire_in_allocate=True) != drive(build("hybrid"), seed)
+               for seed in range(6))
+
+
+def test_long_prefill_chunks() -> None:
+    """Hand count: block 16, 2 speculative blocks, chunks of 64 tokens. After the first chunk
+    (the admission) each later chunk grows the attention table by 4 blocks and each Mamba
+    column by one (GROW). Each of the 9 retires reaches the Mamba policy only: the attention
+    table published every full block at allocation, so its next event (the next block
+    boundary, 16 tokens past the scheduled ones) lies beyond every processed count."""
+    coord = build("hybrid")
+    calls = {"retire_slots": 0}
     for p in coord.policies:
-        grow, retire = p.grow_chunk, p.retire_chunk
+        own = p.retire_slots
 
-        def counting_grow(*a, _f=grow, **k):
-            calls["grow"] += 1
+        def counting(*a, _f=own, **k):  # type: ignore[no-untyped-def]
+            calls["retire_slots"] += 1
             return _f(*a, **k)
 
-        def counting_retire(*a, _f=retire, **k):
-            calls["retire"] += 1
-            return _f(*a, **k)
-
-        p.grow_chunk, p.retire_chunk = counting_grow, counting_retire  # type: ignore[method-assign]
+        p.retire_slots = counting  # type: ignore[method-assign]
     req = Request("long", list(range(640)))
     for end in range(64, 641, 64):
         if req.num_computed_tokens:
@@ -213,7 +205,7 @@ def test_long_prefill_takes_the_chunk_path() -> None:
         assert coord.allocate(req, end - req.num_computed_tokens, num_draft_tokens=0) is not None
         req.num_computed_tokens = end
         coord.check_invariants()
-    assert calls == {"grow": 2 * 9, "retire": 9}
+    assert calls == {"retire_slots": 9}
     view = coord.describe("long")
     assert view is not None
     attention, mamba = view.tables[0], view.tables[1]
@@ -223,10 +215,10 @@ def test_long_prefill_takes_the_chunk_path() -> None:
     assert mamba.running_slot == 39 and len(mamba.block_ids) == 42 and mamba.retired_below == 35
 
 
-def test_a_verify_pending_takes_the_general_path_and_raises() -> None:
-    """A retire past a step with drafts whose accept_drafts has not come raises in the general
-    path (chunk_retire_ok declines), with nothing changed."""
-    coord = build("hybrid", True)
+def test_a_retire_past_a_pending_verify_raises() -> None:
+    """A retire past a step with drafts whose accept_drafts has not come raises, with nothing
+    changed."""
+    coord = build("hybrid")
     req = Request("d", list(range(40)))
     assert coord.allocate(req, 40, num_draft_tokens=0) is not None
     req.num_computed_tokens = 40
@@ -238,23 +230,3 @@ def test_a_verify_pending_takes_the_general_path_and_raises() -> None:
     with pytest.raises(InvalidDraftCountError):
         coord.retire("d", 41)
     assert state(coord) == before
-
-
-def test_the_lockstep_comparison_has_teeth() -> None:
-    """A chunk path that forgets to tag the boundary state it grows into (so the state is never
-    published) must make the lockstep comparison fail."""
-    def planted(coord: KVCacheCoordinator) -> KVCacheCoordinator:
-        for p in coord.mamba_managers:
-            if p.chunks:
-                grow = p.grow_chunk
-
-                def forgetful(request, table, *a, _grow=grow, **k):
-                    out = _grow(request, table, *a, **k)
-                    table.positions.clear()
-                    return out
-
-                p.grow_chunk = forgetful  # type: ignore[method-assign]
-        return coord
-
-    for seed in range(6):
-        assert drive(planted(build("hybrid", True)), seed) != drive(build("hybrid", False), seed)

@@ -6,7 +6,7 @@
     mambakv fleet TRACE.jsonl --instances 4 --router kv --limit 3000
     mambakv models
 
-Every number printed is explained by ``mambakv <command> --help`` (REPORT_HELP in :mod:`mambakv.report`; a source
+Every number printed is explained by ``mambakv <command> --help`` (REPORT_HELP in :mod:`mambakv.cli.report`; a source
 checkout has more in docs/replay.md).  Bad input (missing file, malformed trace line, unknown
 model, a bad config.json, a pool too small for one request) prints one line on stderr and exits
 with status 2.
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from mambakv import __version__
-from mambakv.cli_args import (
+from mambakv.cli.args import (
     COUNT,
     NON_NEGATIVE,
     POSITIVE,
@@ -38,21 +38,17 @@ from mambakv.cli_args import (
     progress,
     save_hazard_table,
 )
-from mambakv.cli_fleet import FLEET_INDEXES, FLEET_LOAD_BOUND, FLEET_ROUTERS, add_fleet_arguments, run_fleet_command
+from mambakv.cli.fleet import add_fleet_arguments, run_fleet_command
+from mambakv.cli.plot import check_plot_path, write_plot
+from mambakv.cli.report import GIB, MIB, REPORT_HELP, format_report
 from mambakv.core.errors import MambaKVError
 from mambakv.models.kv_config import DEFAULT_PAGE_TOKENS, LAYOUTS
-from mambakv.plot import PLOT_SUFFIXES, check_plot_path, merge_identical_groups, plot_series, write_plot
-from mambakv.report import GIB, MIB, REPORT_HELP, format_report
 
 if TYPE_CHECKING:
     from mambakv.sim.runner import SimResult
     from mambakv.sim.workloads import RequestSpec
 
-# The report and the chart live in mambakv.report and mambakv.plot; their names stay
-# importable from here (code and tests written against the one-module command use them).
-__all__ = ["FLEET_INDEXES", "FLEET_LOAD_BOUND", "FLEET_ROUTERS", "GIB", "MIB", "PLAUSIBLE_SPECULATIVE_TOKENS", "PLOT_SUFFIXES", "REPORT_HELP", "build_parser",
-           "check_plot_path", "format_report", "main", "merge_identical_groups", "plot_series", "warn",
-           "write_plot"]
+__all__ = ["PLAUSIBLE_SPECULATIVE_TOKENS", "build_parser", "main", "warn"]
 
 #: Above this many draft tokens per step ``--num-speculative-tokens`` gets a warning: MTP and
 #: EAGLE drafters propose a handful of tokens per step; every draft costs each Mamba group one
@@ -142,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conversations", type=POSITIVE_INT, default=8, help="number of chats (default 8)")
     p.add_argument("--turns", type=POSITIVE_INT, default=4, help="turns per chat (default 4)")
     p.add_argument("--one-at-a-time", action="store_true", help="each turn alone, in arrival order")
-    from mambakv.fleet_report import FLEET_HELP
+    from mambakv.cli.fleet_report import FLEET_HELP
 
     p = sub.add_parser("fleet", help="a Mooncake trace over N instances behind a router",
                        epilog=FLEET_HELP, formatter_class=raw)
