@@ -178,3 +178,32 @@ def test_hashes_agree_across_processes_only_with_a_fixed_seed():
     assert len(a) == 32 and a == b
     assert _child_hash("124") != a
     assert _child_hash(None) != _child_hash(None)  # random seed per process
+
+
+def test_none_hash_is_current_on_every_public_path_after_init(restore_seed):
+    """Defect 5: ``mambakv.hashing.NONE_HASH`` (a 0.1 re-export) was a copy taken at import and
+    went stale after ``init_none_hash()``. That module is gone; every module of the package that
+    has a ``NONE_HASH`` must read the current seed digest, worked out here from the documented
+    rule (xxh3-128 of ``b"mambakv-none-hash:" + str(seed)``), and a first block chains from it."""
+    import importlib
+    import pkgutil
+
+    import mambakv
+
+    init_none_hash(1234)
+    expected = xxhash.xxh3_128_digest(b"mambakv-none-hash:1234")
+    holders = []
+    for info in pkgutil.walk_packages(mambakv.__path__, "mambakv."):
+        if info.name.endswith("__main__"):  # runs the command
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:  # an optional extra (triton, zmq, matplotlib) not installed
+            continue
+        if hasattr(module, "NONE_HASH"):
+            holders.append(info.name)
+            assert module.NONE_HASH == expected, info.name
+    assert holders == ["mambakv.core.hashing"]
+    assert not hasattr(mambakv, "NONE_HASH")
+    raw = np.asarray([5, 6], dtype="<i4").tobytes()
+    assert hash_block_tokens(None, [5, 6]) == xxhash.xxh3_128_digest(expected + raw)

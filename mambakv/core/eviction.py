@@ -13,22 +13,207 @@ leaf's life ends in a reuse (a later request's chain passes it, live or as a gho
 censored (its ghost is dropped). A cold table gives every class probability 0: the oldest head
 goes, i.e. LRU. Retention hints (:mod:`mambakv.core.retention`) set the tier: low units go
 before any normal one, high ones last; a ttl hint is high until the unit has been idle that long.
-Evicted units stay in a bounded :class:`~mambakv.core.ghost.GhostIndex`, so that a next turn after
-an eviction still finds its parent's class and still teaches the table.
+Evicted units stay in a bounded :class:`GhostIndex`, so that a next turn after an eviction still
+finds its parent's class and still teaches the table. The two structures the policies keep are
+here too: :class:`LeafQueue` (leaves by last use) and :class:`GhostIndex`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import heapq
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Generic, TypeVar
 
-from mambakv.core.errors import InvalidSpecError
-from mambakv.core.ghost import GhostIndex
+from mambakv.core.errors import InvalidSpecError, as_count
 from mambakv.core.hazard import HazardTable
-from mambakv.core.leaf_queue import LeafQueue
 from mambakv.core.retention import HIGH, NORMAL
 from mambakv.core.unit_types import NUM_CLASSES, Unit, UnitStats
 
-__all__ = ["EVICTION_POLICIES", "EvictionPolicy", "LruEviction", "ReuseEviction", "make_eviction_policy"]
+__all__ = ["EVICTION_POLICIES", "EvictionPolicy", "GhostIndex", "LeafQueue", "LruEviction", "ReuseEviction",
+           "make_eviction_policy"]
+
+
+_SEQ = itertools.count(1)
+
+
+class LeafQueue:
+    """Leaf units in least-recently-used order, by their ``last_use``.
+
+    A unit can join a queue out of order: an interior unit becomes a leaf when its last child goes
+    (its last use may be long ago), a ttl hint expires. So the queue is a binary heap on
+    ``(last_use, seq)`` with lazy deletion, not a list in insertion order::
+
+        push(u)      heap entry (u.last_use, seq, u); u.queue_seq = seq          O(log n)
+        remove(u)    u.queue_seq = 0: its entries go stale                       O(1)
+        touch(u)     push again with the new last_use (the old entry goes stale) O(log n)
+        head(free)   drop stale entries from the top; the first entry whose
+                     unit `free` accepts (pinned ones are put back)              O(k log n)
+
+    Stale entries are dropped when they reach the top, and all at once when they outnumber the
+    live ones twice.
+    """
+
+    __slots__ = ("_heap", "num_live")
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Unit]] = []
+        self.num_live = 0
+
+    def __len__(self) -> int:
+        return self.num_live
+
+    def push(self, unit: Unit) -> None:
+        if not unit.queue_seq:
+            self.num_live += 1
+        self._push(unit)
+
+    def _push(self, unit: Unit) -> None:
+        seq = next(_SEQ)
+        unit.queue_seq = seq
+        heapq.heappush(self._heap, (unit.last_use, seq, unit))
+        if len(self._heap) > 2 * self.num_live + 64:
+            self._heap = [e for e in self._heap if e[2].queue_seq == e[1]]
+            heapq.heapify(self._heap)
+
+    def remove(self, unit: Unit) -> None:
+        assert unit.queue_seq, f"{unit!r} is in no queue"
+        unit.queue_seq = 0
+        self.num_live -= 1
+
+    def touch(self, unit: Unit) -> None:
+        """`unit`'s last use moved: re-place it."""
+        assert unit.queue_seq
+        self._push(unit)
+
+    def head(self, is_free: Callable[[Unit], bool], probe: int) -> Unit | None:
+        """The least recently used unit that `is_free` accepts, among the first `probe` live
+        ones; None if none."""
+        heap = self._heap
+        aside: list[tuple[float, int, Unit]] = []
+        found = None
+        while heap and len(aside) <= probe:
+            entry = heap[0]
+            unit = entry[2]
+            if unit.queue_seq != entry[1]:
+                heapq.heappop(heap)
+                continue
+            if is_free(unit):
+                found = unit
+                break
+            aside.append(heapq.heappop(heap))
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        return found
+
+    def units(self) -> Iterator[Unit]:
+        """The live units, in no particular order."""
+        return (u for _, seq, u in self._heap if u.queue_seq == seq)
+
+    def check_invariants(self) -> None:
+        live = [u for _, seq, u in self._heap if u.queue_seq == seq]
+        assert len(live) == self.num_live == len(set(map(id, live))), "leaf queue count"
+        assert all(lu == u.last_use for lu, seq, u in self._heap if u.queue_seq == seq), "stale last_use"
+
+
+T = TypeVar("T")
+
+
+def _key(key: object) -> bytes:
+    if not isinstance(key, bytes):
+        raise InvalidSpecError(f"a ghost key must be bytes (a block hash), got {type(key).__name__}")
+    return key
+
+
+class GhostIndex(Generic[T]):
+    """Up to `capacity` ``key -> entry`` pairs, oldest first (an OrderedDict).
+
+    Args:
+        capacity: the most entries kept (int >= 0; 0 keeps nothing).
+
+    Raises:
+        InvalidSpecError: `capacity` not an int >= 0.
+
+    When a cached unit (a block, keyed by its block hash) is evicted, its key and a small entry (its
+    class, the time of its last use) go into the ghost index. The next turn of a conversation whose unit
+    was evicted still finds that entry (a *ghost hit*) and can teach the
+    :class:`~mambakv.core.hazard.HazardTable` that a unit of that class was reused at that age, instead
+    of the life looking censored; this is how LHD (Beckmann et al., NSDI 2018, "LHD: improving cache hit
+    rate by maximizing hit density") keeps learning about the units it evicts. The index keeps the
+    ``capacity`` newest keys; the ones it drops leave observation (their lives end censored)::
+
+        capacity 3       index (oldest .. newest)   add returns
+        add(a)           a                          []
+        add(b), add(c)   a b c                      [], []
+        add(d)           b c d                      [(a, ...)]    a dropped: the oldest
+        add(b)           c d b                      []            re-adding makes b the newest
+        pop(c)           d b                        (returns c's entry)
+
+    Memory: about ``capacity x 200 B`` (a 16-byte key object, its ordered-dict slot and links, a small
+    entry), e.g. 100,000 ghosts in about 20 MB.
+    """
+
+    __slots__ = ("_cap", "_d")
+
+    def __init__(self, capacity: int) -> None:
+        self._cap = as_count(capacity, "capacity", 0, InvalidSpecError)
+        self._d: OrderedDict[bytes, T] = OrderedDict()
+
+    @property
+    def capacity(self) -> int:
+        """The most entries kept."""
+        return self._cap
+
+    def add(self, key: bytes, entry: T) -> list[tuple[bytes, T]]:
+        """Insert ``key -> entry`` as the newest (a key already there gets `entry` and becomes the
+        newest) and return the pairs dropped to keep ``len <= capacity``, oldest first; with
+        capacity 0, ``[(key, entry)]`` itself. Raises InvalidSpecError (nothing changed): `key` not bytes."""
+        d = self._d
+        d[_key(key)] = entry
+        d.move_to_end(key)
+        dropped: list[tuple[bytes, T]] = []
+        while len(d) > self._cap:
+            dropped.append(d.popitem(last=False))
+        return dropped
+
+    def pop(self, key: bytes) -> T | None:
+        """Remove `key` and return its entry, or None if absent. Raises InvalidSpecError: `key` not bytes."""
+        return self._d.pop(_key(key), None)
+
+    def pop_present(self, keys: Sequence[bytes]) -> list[tuple[int, T]]:
+        """Remove every key of `keys` that is here and return ``(position in keys, entry)`` in
+        the order of `keys`: one pass for a request's whole chain (keys are not checked)."""
+        d = self._d
+        if not d:
+            return []
+        found = [i for i, k in enumerate(keys) if k in d]
+        return [(i, d.pop(keys[i])) for i in found]
+
+    def get(self, key: bytes) -> T | None:
+        """The entry of `key` (its place unchanged), or None. Raises InvalidSpecError: `key` not bytes."""
+        return self._d.get(_key(key))
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and key in self._d
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def items(self) -> list[tuple[bytes, T]]:
+        """Every ``(key, entry)``, oldest first (a copy)."""
+        return list(self._d.items())
+
+    def clear(self) -> list[tuple[bytes, T]]:
+        """Empty the index; return what it held, oldest first."""
+        held = list(self._d.items())
+        self._d.clear()
+        return held
+
+    def check_invariants(self) -> None:
+        """Assert ``len <= capacity`` and that every key is bytes."""
+        assert 0 <= len(self._d) <= self._cap
+        assert all(isinstance(k, bytes) for k in self._d)
 
 #: leaves tried from a queue's head when the first ones are pinned (their state is in a table)
 PROBE = 64

@@ -123,12 +123,14 @@ class HazardTable:
     def age_bin(self, age: float) -> int:
         """The bin of `age` seconds: ``min(int(age // bin_seconds), num_bins - 1)``; a negative age
         (clock jitter) is bin 0. Raises InvalidSpecError: `age` not a finite number."""
-        a = _finite(age, "age")
+        a = age if type(age) is float and age - age == 0.0 else _finite(age, "age")  # finite floats pass
         if a <= 0:
             return 0
         return self._nb - 1 if a >= self._bs * self._nb else min(int(a // self._bs), self._nb - 1)
 
     def _cls(self, cls: int) -> int:
+        if type(cls) is int and 0 <= cls < self._nc:  # the policy's own calls: no conversion
+            return cls
         c = as_count(cls, "cls", 0, InvalidSpecError)
         if c >= self._nc:
             raise InvalidSpecError(f"cls must be < num_classes ({self._nc}), got {c}")

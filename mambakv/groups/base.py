@@ -446,8 +446,15 @@ class SingleTypeKVCacheManager(ABC):
         `block_hashes` are keys at this spec's block size. Returns one list per group; the hit
         length is ``len(list) * block_size``; leading entries may be the null block. With
         `use_eagle`, the hit is recomputed once at the next aligned length below it (the last
-        hit position must be recomputed for the drafter). Pure.
+        hit position must be recomputed for the drafter). An alignment that is not a multiple
+        of the block size is raised to the least common multiple of the two (blocks of 4,
+        alignment 2: hits end on multiples of 4). Pure.
+
+        Raises:
+            InvalidTokenCountError: `alignment_tokens` is not a positive int.
         """
+        if type(alignment_tokens) is not int or alignment_tokens < 1:
+            raise InvalidTokenCountError(f"alignment_tokens must be a positive int, got {alignment_tokens!r}")
         align = math.lcm(alignment_tokens, kv_cache_spec.block_size)
         hit = cls._find_hit(block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec, align)
         if use_eagle and hit[0]:

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mambakv.core.errors import InvalidSpecError
-from mambakv.core.ghost import GhostIndex
+from mambakv.core.eviction import GhostIndex
 
 
 def k(i: int) -> bytes:

@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 
 from mambakv import KVCacheCoordinator, Request
-from mambakv.core.arena import SuperblockGeometry
-from mambakv.core.arena import count_unhashed
+from mambakv.core.arena import SuperblockGeometry, count_unhashed
 from mambakv.core.errors import InvalidClockError, InvalidSpecError, InvalidTokenCountError
 from mambakv.core.eviction import ReuseEviction
 from mambakv.core.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
