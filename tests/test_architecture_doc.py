@@ -1,7 +1,6 @@
 """docs/architecture.md's layer table is true to the code: every module of the package is in
 it, and each imports only modules of rows above it (inside ``core/``, only core modules listed
-before it, with the two exceptions the document names). Imports under ``if TYPE_CHECKING:``
-are annotations only and do not count."""
+before it). Imports under ``if TYPE_CHECKING:`` count too."""
 
 from __future__ import annotations
 
@@ -12,14 +11,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "mambakv"
 DOC = ROOT / "docs" / "architecture.md"
-#: (importer, imported) pairs the document names as exceptions to the core order
-EXCEPTIONS = {("core/units.py", "core/unit_register.py"), ("core/units.py", "core/unit_checks.py")}
-
-
-def _is_shim(path: Path) -> bool:
-    """The 0.1 module paths (re-exports, listed apart in the document)."""
-    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-    return doc.startswith("Moved to")
 
 
 def _rows() -> list[tuple[int, list[str]]]:
@@ -32,7 +23,8 @@ def _rows() -> list[tuple[int, list[str]]]:
         names = []
         for entry in re.findall(r"`([^`]+)`", cell):
             if entry.endswith("/"):
-                names += sorted(str(p.relative_to(PKG)) for p in (PKG / entry).rglob("*.py") if p.name != "__init__.py")
+                names += sorted(str(p.relative_to(PKG)) for p in (PKG / entry).rglob("*.py")
+                                if p.name not in ("__init__.py", "__main__.py"))
             else:
                 names += sorted(str(p.relative_to(PKG)) for p in PKG.glob(entry))
         rows.append((i, names))
@@ -40,19 +32,15 @@ def _rows() -> list[tuple[int, list[str]]]:
 
 
 def _imports(path: Path) -> set[str]:
-    """The mambakv modules `path` imports at run time, as paths relative to the package."""
+    """The mambakv modules `path` imports (anywhere in it), as paths relative to the package."""
     tree = ast.parse(path.read_text())
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip |= {id(n) for n in ast.walk(node)}
     out = set()
     for node in ast.walk(tree):
-        if id(node) in skip or not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("mambakv"):
+        if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("mambakv"):
             continue
         base = node.module.split(".", 1)[1].replace(".", "/") if "." in node.module else ""
         submodules = {f"{base}/{a.name}.py" for a in node.names if (PKG / base / f"{a.name}.py").is_file()}
-        if submodules:  # ``from mambakv.core import pool_checks``: the submodule, not the package
+        if submodules:  # ``from mambakv.core import units``: the submodule, not the package
             out |= submodules
         elif (PKG / f"{base}.py").is_file():
             out.add(f"{base}.py")
@@ -65,7 +53,7 @@ def test_every_module_is_in_the_table_once() -> None:
     listed = [m for _, names in _rows() for m in names]
     assert len(listed) == len(set(listed)), "a module listed twice"
     modules = {str(p.relative_to(PKG)) for p in PKG.rglob("*.py")
-               if p.name not in ("__init__.py", "__main__.py") and not _is_shim(p)}
+               if p.name not in ("__init__.py", "__main__.py")}
     assert sorted(modules - set(listed)) == []
     assert sorted(set(listed) - modules) == []
 
@@ -82,14 +70,14 @@ def test_each_module_imports_only_rows_above_it() -> None:
     bad = []
     for m, i in row_of.items():
         for dep in _imports(PKG / m):
-            if dep == m or _is_shim(PKG / dep):
+            if dep == m:
                 continue
             if dep not in packages and dep not in row_of:
                 bad.append(f"{m} imports {dep}, which the table does not list")
                 continue
             j = packages[dep] if dep in packages else row_of[dep]
             if m.startswith("core/") and dep.startswith("core/") and dep in order:
-                if order[dep] > order[m] and (m, dep) not in EXCEPTIONS:
+                if order[dep] > order[m]:
                     bad.append(f"{m} imports {dep}, listed after it")
             elif j > i:
                 bad.append(f"{m} (row {i}) imports {dep} (row {j})")

@@ -43,7 +43,7 @@ class DecodeCheckpoints(str, enum.Enum):
       free without eviction) receives the boundary state, published once the crossing settled.
     * ``NONE``: the running state advances in place; no decode-boundary state is published.
 
-    Prefill is the same in all three (``mambakv/groups/mamba_decode.py``).
+    Prefill is the same in all three (``mambakv/groups/decode_checkpoints.py``).
     """
 
     NONE = "none"

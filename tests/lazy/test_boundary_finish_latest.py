@@ -3,7 +3,7 @@
 Block 64, 3 drafts, async lag 1, a 500-token prompt (chunks end at 448, published, and
 500); every verify accepts 0 drafts except the final steps (tests/lazy/test_boundary_finish.py
 ``script``). The continuation runs twice (on the cache, then after reset_prefix_cache) and
-must equal the from-scratch run. Worked out with mamba_decode.py's rules:
+must equal the from-scratch run. Worked out with decode_checkpoints.py's rules:
 
 * 768: the step from 767 settles at 768 (0 accepted): its running block holds 768; the
   verify copies it out into a free block no forward writes, published at the retire (768).

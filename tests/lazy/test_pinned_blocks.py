@@ -5,7 +5,7 @@ more than every), counted through the public API (``coordinator.describe``).
 One request (block 64, 500-token prompt: chunks end at 448 and 500), decode steps of
 ``1 + nspec`` tokens (nspec drafts), every verify accepts 0 unless a script says otherwise.
 After each ``allocate``, count the non-null block ids of the request's table. Worked by hand
-with the rules of mambakv/groups/mamba_decode.py, B = 640, "settled" = the request's settled
+with the rules of mambakv/groups/decode_checkpoints.py, B = 640, "settled" = the request's settled
 count when the step is planned (lag 1: the previous step is still in flight)::
 
     settled           630 .. 632  633  634  635  636  637  638  639  640  641 ..
