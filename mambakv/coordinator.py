@@ -420,7 +420,7 @@ class KVCacheCoordinator:
             rid = request.request_id
         except AttributeError:
             raise InvalidRequestError(f"allocate needs a Request, got {type(request).__name__}") from None
-        if now is not None and not (type(now) is float and now - now == 0.0):  # finite floats pass
+        if now is not None and not (type(now) is float and now - now == 0.0 and now >= 0.0):  # the hot path: no call
             now = as_seconds(now)
         live = self._live.get(rid)
         if (live is None or live.request is not request or num_new_computed_tokens
@@ -453,7 +453,7 @@ class KVCacheCoordinator:
         # The quiet step: no group needs a block, publishes or records anything.
         if (live is not None and num_drafts == 0 and num_tokens <= live.quiet_tokens
                 and num_tokens + num_lookahead_tokens <= live.num_covered):
-            if now is not None:  # every check passed: the clock moves
+            if now is not None and now > self.now:  # every check passed: the clock moves (never back)
                 self.now = now
             if num_tokens > live.num_scheduled:
                 live.num_scheduled = num_tokens
@@ -480,7 +480,7 @@ class KVCacheCoordinator:
         if live is not None:  # a group refuses to rewrite a published running state before any group commits
             for mp in self._mamba_policies:
                 mp.check_writable_step(rid, num_tokens, decode)
-        if now is not None:  # every check passed: the clock moves (even when the pool is short)
+        if now is not None and now > self.now:  # every check passed: the clock moves (even when the pool is short)
             self.now = now
         units = self.units
         if units is not None:
@@ -686,8 +686,9 @@ class KVCacheCoordinator:
         """Outputs came back: `num_processed_tokens` (settled, never the optimistic scheduled
         count) of the request are processed. First publish what is now known (attention blocks
         full within the processed real tokens, Mamba states that settled), then retire what no
-        group needs any more. Idempotent; a request holding no blocks is a no-op. O(1) below
-        the request's next event.
+        group needs any more. Idempotent; a request holding no blocks is a no-op, and so is a
+        count below an earlier one (a retired block cannot come back; vLLM lowers
+        ``num_computed_tokens`` after rejected drafts). O(1) below the request's next event.
 
         Raises (nothing changed):
             InvalidTokenCountError: a negative count, or more than the request's tokens or than
@@ -755,14 +756,19 @@ class KVCacheCoordinator:
         return out
 
     def set_now(self, now: float) -> None:
-        """Set the engine's clock (seconds; ``allocate`` and ``free`` take it as ``now=``).
+        """Set the engine's clock (seconds on a monotonic clock; ``allocate``, ``free`` and
+        ``get_computed_blocks_tiered`` take it as ``now=``). The clock never runs backwards: an
+        earlier reading than the latest leaves it where it is (a documented no-op: a wall clock
+        stepped back by NTP must not make units younger).
 
         Raises:
-            InvalidClockError: not a finite number.
+            InvalidClockError: not a finite number >= 0 (nothing changed).
         """
-        self.now = as_seconds(now)
-        if self.units is not None:
-            self.units.now = self.now
+        now = as_seconds(now)
+        if now > self.now:
+            self.now = now
+            if self.units is not None:
+                self.units.now = now
 
     def free(self, request_id: str, *, now: float | None = None) -> None:
         """A request finished or is preempted: free every group's table and drop its one
@@ -916,7 +922,7 @@ class KVCacheCoordinator:
         if rid in self._live:
             raise InvalidRequestError(f"request {rid!r} holds blocks: look up hits before its first allocate")
         if now is not None:
-            self.now = as_seconds(now)
+            self.set_now(now)
         blocks, n = self.get_computed_blocks(request)
         if self._host is None:
             return TieredHit(blocks, n, 0, None)
@@ -1042,7 +1048,13 @@ class KVCacheCoordinator:
         return request_id in self._live
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        """Block ids of the request's table in every group (null entries are 0)."""
+        """Block ids of the request's table in every group (null entries are 0); empty lists
+        for a request that holds no blocks.
+
+        Raises:
+            InvalidRequestError: `request_id` is not a str."""
+        if type(request_id) is not str:
+            raise InvalidRequestError(f"request ids are strs, got {type(request_id).__name__} {request_id!r}")
         return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.managers)
 
     def describe(self, request_id: str) -> RequestView | None:

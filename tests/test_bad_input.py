@@ -230,6 +230,7 @@ from mambakv import (  # noqa: E402
     FullAttentionSpec,
     HashBlockSizeMismatchError,
     InvalidBlockError,
+    InvalidClockError,
     InvalidHashError,
     InvalidRequestError,
     InvalidSpecError,
@@ -280,6 +281,11 @@ def _unchanged(coord: KVCacheCoordinator, free: int, call, error: type[MambaKVEr
     ("retire negative", InvalidTokenCountError),
     ("accept drafts never scheduled", MambaKVError),
     ("lookup a str", InvalidRequestError),
+    ("block ids of an int id", InvalidRequestError),
+    ("allocate at a negative clock", InvalidClockError),
+    ("set a negative clock", InvalidClockError),
+    ("free at a negative clock", InvalidClockError),
+    ("outputs while in the prompt", InvalidTokenCountError),
 ])
 def test_coordinator_entry_points_refuse_bad_input(what, error):
     coord, req = _coord()
@@ -300,8 +306,52 @@ def test_coordinator_entry_points_refuse_bad_input(what, error):
         "retire negative": lambda: coord.retire("r", -1),
         "accept drafts never scheduled": lambda: coord.accept_drafts("r", 2),
         "lookup a str": lambda: coord.get_computed_blocks("x"),
+        "block ids of an int id": lambda: coord.get_block_ids(5),  # type: ignore[arg-type]
+        "allocate at a negative clock": lambda: coord.allocate(req, 1, now=-5.0),
+        "set a negative clock": lambda: coord.set_now(-1),
+        "free at a negative clock": lambda: coord.free("r", now=-0.5),
+        "outputs while in the prompt": lambda: req.append_output_token_ids([3]),  # 8 of 9 prompt tokens computed
     }
     _unchanged(coord, free, calls[what], error)
+
+
+@pytest.mark.parametrize("prompt", ["hello", b"hello", bytearray(b"hi"), memoryview(b"hi")])
+def test_a_text_prompt_is_refused(prompt):
+    """A prompt given as text (the tokenizer was not run) is refused; before: a plain
+    ValueError (bytes) or ids made of characters."""
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        Request("x", prompt)
+
+
+@pytest.mark.parametrize("rid", ["", 0, None, b"r"])
+def test_a_bad_request_id_is_refused(rid):
+    with pytest.raises(InvalidRequestError, match="non-empty str"):
+        Request(rid, [1, 2])
+
+
+def test_documented_no_ops_change_nothing():
+    """A retire below an earlier one and a clock reading earlier than the latest are no-ops.
+    Hand count: FA 4 + Mamba 4 (nspec 0), 32 blocks; "r" (9 tokens) allocated to 8: FA blocks
+    1, 2, Mamba ``[null, 3]`` (running slot 1): 31 - 3 = 28 free; retire 8 publishes the state
+    at 8 and frees nothing (slot 0 is null): 28 free; retiring 4, then 0, changes nothing."""
+    coord, req = _coord()
+    coord.retire("r", 8)
+    assert coord.block_pool.get_num_free_blocks() == 28
+    assert coord.get_block_ids("r") == ([1, 2], [0, 3])
+    coord.retire("r", 4)
+    coord.retire("r", 0)
+    assert coord.block_pool.get_num_free_blocks() == 28 and coord.get_block_ids("r") == ([1, 2], [0, 3])
+    coord.set_now(10.0)
+    coord.set_now(3.0)
+    assert coord.now == 10.0
+    assert coord.allocate(req, 1, num_draft_tokens=0, now=7.0) is not None  # the last prompt token
+    assert coord.now == 10.0
+    req.num_computed_tokens = 9
+    req.append_output_token_ids([5])
+    coord.free("r", now=12.5)
+    assert coord.now == 12.5
+    coord.check_invariants()
+    assert coord.get_block_ids("gone") == ([], [])
 
 
 def test_coordinator_construction_refuses_bad_input():

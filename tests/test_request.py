@@ -134,6 +134,7 @@ def test_incremental_hashing_only_new_blocks(monkeypatch):
 
     monkeypatch.setattr(request_mod, "hash_blocks", spy)
     r = Request("r", TOKS[:20], hash_block_size=4)
+    r.num_computed_tokens = 20  # the prompt was scheduled: outputs may come
     first = r.block_hashes
     assert len(first) == 5 and calls == [(0, 5)]  # 20 // 4
     kept = list(first)
@@ -151,6 +152,7 @@ def test_incremental_hashing_only_new_blocks(monkeypatch):
 def test_append_grows_buffer_beyond_prompt_array():
     prompt = np.array(TOKS[:5], dtype=np.int32)
     r = Request("r", prompt, hash_block_size=4)
+    r.num_computed_tokens = 5
     for t in TOKS[5:40]:
         r.append_output_token_ids(t)
     assert list(r.all_token_ids) == TOKS[:40]
@@ -160,6 +162,7 @@ def test_append_grows_buffer_beyond_prompt_array():
 
 def test_append_out_of_range_changes_nothing():
     r = Request("r", TOKS[:8], hash_block_size=4)
+    r.num_computed_tokens = 8
     before = list(r.block_hashes)
     for bad in ([5, 2**31], [5, -1], -1, 2**31, 1.5, [2, 3.7], np.array([4, -2], dtype=np.int32)):
         with pytest.raises(InvalidTokenCountError):

@@ -94,12 +94,14 @@ class ReadOnlyResultError(MambaKVError, TypeError):
 
 
 def as_seconds(value: object, name: str = "now") -> float:
-    """`value` as a finite float (ints, floats, numpy numbers, any ``numbers.Real``; not bools).
+    """`value` as a finite float >= 0 (ints, floats, numpy numbers, any ``numbers.Real``; not
+    bools): a reading of the engine's monotonic clock, in seconds.
 
     Raises:
-        InvalidClockError: anything else, including an int too large for a float.
+        InvalidClockError: anything else, including a negative reading and an int too large
+            for a float.
     """
-    if type(value) is float and value - value == 0.0:  # the common case: a finite float
+    if type(value) is float and value - value == 0.0 and value >= 0.0:  # the common case
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidClockError(f"{name} must be a finite number of seconds, got {value!r}")
@@ -107,8 +109,8 @@ def as_seconds(value: object, name: str = "now") -> float:
         seconds = float(value)
     except (OverflowError, ValueError):
         raise InvalidClockError(f"{name} must be a finite number of seconds, got {value!r}") from None
-    if not math.isfinite(seconds):
-        raise InvalidClockError(f"{name} must be a finite number of seconds, got {value!r}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidClockError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
     return seconds
 
 

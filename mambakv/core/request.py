@@ -39,8 +39,8 @@ class Request:
     Raises:
         InvalidTokenCountError: empty prompt, an id outside ``0 .. 2**31 - 1`` or not an int,
             bad mm_hashes.
-        InvalidRequestError: a request_id that is not a str, a max_tokens or lora_id not None
-            nor an int >= 0.
+        InvalidRequestError: a request_id that is not a non-empty str, a prompt given as text
+            (``str`` / ``bytes`` / ``bytearray``), a max_tokens or lora_id not None nor an int >= 0.
         HashBlockSizeMismatchError: a non-positive hash_block_size.
     """
 
@@ -52,8 +52,12 @@ class Request:
                  cache_salt: str | None = None, mm_hashes: Sequence[tuple[int, int, str]] | None = None,
                  max_tokens: int | None = None, lora_id: int | None = None,
                  retain: str | float | Retention | None = None) -> None:
-        if not isinstance(request_id, str):
-            raise InvalidRequestError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty str, got {type(request_id).__name__} "
+                                      f"{request_id!r}")
+        if isinstance(prompt_token_ids, (str, bytes, bytearray, memoryview)):
+            raise InvalidRequestError(f"request {request_id!r}: prompt_token_ids must be token ids (ints), got "
+                                      f"{type(prompt_token_ids).__name__}: tokenize the text first")
         if max_tokens is not None and (not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool)
                                        or max_tokens < 0):
             raise InvalidRequestError(f"max_tokens must be None or an int >= 0, got {max_tokens!r}")
@@ -125,11 +129,17 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Append generated tokens (one id or several, each in ``0 .. 2**31 - 1``). The buffer
-        grows by doubling.
+        grows by doubling. Outputs exist only once the whole prompt was scheduled: the engine
+        advances ``num_computed_tokens`` past the prompt before it appends the first output.
 
         Raises:
-            InvalidTokenCountError: an id out of range or not an int (nothing is appended).
+            InvalidTokenCountError: an id out of range or not an int, or the request is still in
+                its prompt (``num_computed_tokens < num_prompt_tokens``); nothing is appended.
         """
+        if self.num_computed_tokens < self.num_prompt_tokens:
+            raise InvalidTokenCountError(
+                f"request {self.request_id!r} is still in its prompt ({self.num_computed_tokens} of "
+                f"{self.num_prompt_tokens} tokens computed): it has no output tokens yet")
         if type(token_ids) is list and len(token_ids) == 1:  # the decode step's one id: in place
             t, n = token_ids[0], self._num_tokens
             if type(t) is int and 0 <= t <= TOKEN_MAX and n < self._tokens.size:

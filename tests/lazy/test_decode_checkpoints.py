@@ -59,6 +59,7 @@ def test_latest_walk():
     m = manager("latest")
     pool = m.block_pool
     req = Request("r", tokens(3))
+    req.num_computed_tokens = req.num_prompt_tokens  # a manager used alone: the engine's count
     m.allocate_new_blocks("r", 3)
     R, S = ids(m, "r")
     assert m.take_checkpoint_writes() == [("r", R, 3)]  # a prefill step: the running block, at 3
@@ -94,6 +95,7 @@ def test_latest_walk():
 def test_running_block_advances_in_place(mode):
     m = manager(mode)
     req = Request("r", tokens(3))
+    req.num_computed_tokens = req.num_prompt_tokens  # a manager used alone: the engine's count
     m.allocate_new_blocks("r", 3)
     R, S = ids(m, "r")
     m.take_checkpoint_writes()
@@ -110,6 +112,7 @@ def async_pair(m: MambaManager, prompt: int) -> Request:
     """Prefill `prompt` tokens, then two decode steps of 1 + 1 draft in flight: from `prompt`
     and from the optimistic `prompt + 2`."""
     req = Request("r", tokens(prompt))
+    req.num_computed_tokens = req.num_prompt_tokens  # a manager used alone: the engine's count
     m.allocate_new_blocks("r", prompt)
     m.allocate_new_blocks("r", prompt + 2, num_draft_tokens=1, decode=True, num_computed_tokens=prompt)
     m.allocate_new_blocks("r", prompt + 4, num_draft_tokens=1, decode=True, num_computed_tokens=prompt + 2)
@@ -185,6 +188,7 @@ def test_checkpoint_never_evicts_unless_asked():
         m = manager("latest", num_blocks=5)
         pool = m.block_pool
         req = Request("r", tokens(3))
+        req.num_computed_tokens = req.num_prompt_tokens  # a manager used alone: the engine's count
         m.allocate_new_blocks("r", 3)
         m.take_checkpoint_writes()
         cached = pool.get_new_blocks(2)
@@ -235,6 +239,7 @@ def test_no_free_block_recycles_the_requests_own_superseded_checkpoint():
     m = manager("latest", num_blocks=6)
     pool = m.block_pool
     req = Request("r", tokens(3))
+    req.num_computed_tokens = req.num_prompt_tokens  # a manager used alone: the engine's count
     m.allocate_new_blocks("r", 3)
     R, S = ids(m, "r")
     m.take_checkpoint_writes()
