@@ -279,7 +279,9 @@ class HostTier:
     def unpin(self, pages: Sequence[KVCacheBlock], slots: Sequence[KVCacheBlock]) -> None:
         """Release a load's pins (its blocks stay cached: the host keeps the unit). What the host
         lost meanwhile (the unit evicted, or its chain cut by a page the load did not pin being
-        reused) is dropped, as the unit index drops unreachable blocks."""
+        reused) is dropped, as the unit index drops unreachable blocks: pruning from each
+        unpinned page also drops its free ancestors an eviction left past the chain's deepest
+        checkpoint (exempt from the unit rules only while pinned: ``check_invariants``)."""
         self.arena.slots.free_blocks(list(slots))
         self.arena.pages.free_blocks(list(pages))
         pins = self.pins
@@ -300,12 +302,32 @@ class HostTier:
             if node is not None:
                 self.units.prune(node)
 
+    def pinned_chains(self) -> set[bytes]:
+        """The page-grid hashes of the chains the loads in flight read: each pinned block's node
+        and every node above it, up to the root (a pinned block outside the tree has none)."""
+        nodes = self.units.nodes
+        keys: set[bytes] = set()
+        for b in self.pins:
+            node = nodes.get(b.block_hash) if b.block_hash is not None else None
+            while node is not None and node.key not in keys:  # a key seen: its ancestors are in
+                keys.add(node.key)
+                node = node.parent
+        return keys
+
     def check_invariants(self) -> None:
         """The host arena's and its units' invariants; a pinned block is held at least once per
         load that pins it, and a cached one is in the tree (a page: a node; a state: a unit);
-        stores only name blocks of their kind."""
+        stores only name blocks of their kind.
+
+        A chain a load reads is in use, as a running request's chain on the GPU: the unit rules
+        exempt ``pinned_chains()`` (``UnitIndex.check_invariants(live_keys)``). Evicting a host
+        unit whose pages a load pins is right (its state and the pages below the pinned ones
+        are free: room for the store that needs it); ``prune`` stops at the pinned page, so its
+        free ancestors stay cached, with no checkpoint below them, until the load ends, when
+        ``unpin`` prunes from each pinned page and drops them: no such page outlives the load.
+        Refusing the eviction instead would keep a state no load reads and skip stores."""
         self.arena.check_invariants()
-        self.units.check_invariants()
+        self.units.check_invariants(self.pinned_chains() if self.pins else frozenset())
         nodes = self.units.nodes
         for b, n in self.pins.items():
             assert n > 0 and b.ref_cnt >= n, f"host block {b.block_id}: {n} pins, ref {b.ref_cnt}"
