@@ -43,6 +43,7 @@ unreachable, so the unit invariants hold either way.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
 
 from mambakv.core.arena_geometry import ArenaBytes, SuperblockGeometry
@@ -91,19 +92,17 @@ class SuperblockArena:
         self.geometry = g = geometry
         self.k = g.pages_per_superblock
         clock = ArenaClock()
-        self.pages = ArenaPool(g.num_superblocks, self.k, clock, enable_caching=enable_caching,
+        # every superblock but 0 starts FREE: withdrawn from both pools (their blocks are made on
+        # first use, so building the arena costs a few list slots per superblock)
+        self.pages = ArenaPool(g.num_superblocks, self.k, clock, lend_first=True, enable_caching=enable_caching,
                                enable_kv_cache_events=enable_kv_cache_events)
         self.slots = ArenaPool(g.num_superblocks, 1, clock, enable_caching=enable_caching,
                                enable_kv_cache_events=enable_kv_cache_events)
+        #: per superblock FREE / PAGES / SLOT
         self.kind = [FREE] * g.num_superblocks
         self.kind[0] = PAGES
-        self.pages.lent[0] = True
-        for sb in range(1, g.num_superblocks):  # both pools start with every block queued: withdraw
-            for pool in (self.pages, self.slots):
-                pool.lent[sb] = True
-                pool.withdraw(sb)
         #: FREE superblocks, lowest id first (a stack: pop() takes the highest; ids carry no meaning)
-        self._free = list(range(g.num_superblocks - 1, 0, -1))
+        self._free = array("l", range(g.num_superblocks - 1, 0, -1))
         self.num_conversions = 0
         #: the eviction units and their policy (``enable_units``), else None: block LRU
         self.units: UnitIndex | None = None

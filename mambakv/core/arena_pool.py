@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterable, Sequence
 
-from mambakv.core.block import KVCacheBlock
+from mambakv.core.block import FreeBlockQueue, KVCacheBlock
 from mambakv.core.block_pool import BlockPool, PrefixMap
 from mambakv.core.errors import BlockNotFreeError
 
@@ -76,15 +76,47 @@ class ArenaPool(BlockPool):
         lent: per superblock, True while this pool may use its blocks.
     """
 
-    def __init__(self, num_superblocks: int, per_superblock: int, clock: ArenaClock, *,
+    def __init__(self, num_superblocks: int, per_superblock: int, clock: ArenaClock, *, lend_first: bool = False,
                  enable_caching: bool = True, enable_kv_cache_events: bool = False) -> None:
         super().__init__(num_superblocks * per_superblock, enable_caching, enable_kv_cache_events)
-        self.per_superblock = per_superblock
+        k = self.per_superblock = per_superblock
+        self._made.extend([None] * (self.num_blocks - 1))  # one slot per id: superblocks are made in any order
         self.clock = clock
         self.freed_at = [0] * self.num_blocks
+        #: per superblock, True while this pool may use its blocks; every superblock starts
+        #: withdrawn (its blocks made on first use), superblock 0 lent with `lend_first`
         self.lent = [False] * num_superblocks
+        self.lent[0] = lend_first
+        # superblock 0's blocks after the null block, made now: an arena pool's queue has no
+        # fresh run (its walks, find_free_superblocks and the arena's, read real blocks only)
+        first = [KVCacheBlock(i, self.pool_id) for i in range(1, k)] if lend_first else []
+        self._made[1:k] = first
+        self.free_block_queue = FreeBlockQueue(first)
+        self.num_reserved_blocks = self.num_blocks - 1 - len(first)
         #: called after ``evict_blocks`` (the unit index's ``settle``), or None
         self.after_evict: Callable[[], None] | None = None
+
+    def _make_block(self, block_id: int) -> KVCacheBlock:
+        """Make block `block_id`, never used so far: its whole superblock, withdrawn (ref count
+        1, unqueued), as a superblock the arena never lent holds it."""
+        sb = block_id // self.per_superblock
+        return self._make_superblock(sb, withdrawn=True)[block_id - sb * self.per_superblock]
+
+    def _check_made(self) -> None:
+        """No fresh run; superblock 0 exists (``check_arena`` checks the others)."""
+        assert self.free_block_queue.num_fresh == 0, "an arena pool's queue has a fresh run"
+        assert len(self._made) == self.num_blocks and self._made[0] is self.null_block, "block slots"
+
+    def _make_superblock(self, sb: int, *, withdrawn: bool) -> list[KVCacheBlock]:
+        """Make the blocks of superblock `sb` (none of which exists), at ref count 1 when
+        `withdrawn`, else 0 (about to be lent)."""
+        k, pid = self.per_superblock, self.pool_id
+        blocks = [KVCacheBlock(i, pid) for i in range(sb * k, (sb + 1) * k)]
+        if withdrawn:
+            for b in blocks:
+                b.ref_cnt = 1
+        self._made[sb * k:(sb + 1) * k] = blocks
+        return blocks
 
     def record_losses(self) -> None:
         """Record every dropped hash from now on (the unit index's mode); call before any
@@ -119,7 +151,7 @@ class ArenaPool(BlockPool):
     def superblock_blocks(self, sb: int) -> list[KVCacheBlock]:
         """The blocks of superblock `sb` (the null block included for superblock 0)."""
         k = self.per_superblock
-        return self.blocks[sb * k:(sb + 1) * k]
+        return self.blocks[sb * k:(sb + 1) * k]  # type: ignore[return-value]  # PoolBlocks slices are lists
 
     def superblock_is_free(self, sb: int) -> bool:
         """Superblock `sb` is lent here and every block of it is in the free queue (never
@@ -127,8 +159,8 @@ class ArenaPool(BlockPool):
         if not sb or not self.lent[sb]:
             return False
         k = self.per_superblock
-        for b in self.blocks[sb * k:(sb + 1) * k]:
-            if b.ref_cnt:
+        for b in self._made[sb * k:(sb + 1) * k]:  # a lent superblock's blocks exist
+            if b.ref_cnt:  # type: ignore[union-attr]
                 return False
         return True
 
@@ -149,7 +181,7 @@ class ArenaPool(BlockPool):
         k, stamps, tried = self.per_superblock, self.freed_at, set()
         tail = self.free_block_queue.sentinels[1]
         block = self.free_block_queue.first()
-        blocks = self.blocks
+        blocks: list[KVCacheBlock] = self._made  # type: ignore[assignment]  # lent superblocks' blocks exist
         while block is not None and block is not tail:
             if unhashed and block.block_hash is not None:
                 break
@@ -195,7 +227,7 @@ class ArenaPool(BlockPool):
         if not self.superblock_is_free(sb):
             raise BlockNotFreeError(f"superblock {sb} is not lent to this pool with every block free")
         q = self.free_block_queue
-        blocks = self.superblock_blocks(sb)
+        blocks: list[KVCacheBlock] = self._made[sb * self.per_superblock:(sb + 1) * self.per_superblock]  # type: ignore[assignment]
         self.prefix_map.remove_many(blocks)
         for b in blocks:
             q.remove(b)
@@ -206,12 +238,18 @@ class ArenaPool(BlockPool):
     def lend(self, sb: int) -> None:
         """Put every block of the withdrawn superblock `sb` at the head of the free queue
         (unhashed: they are reused first)."""
-        blocks = self.superblock_blocks(sb)
+        k = self.per_superblock
+        assert sb and not self.lent[sb], f"superblock {sb} is lent already"
         now = self.clock.now
-        for b in blocks:
-            assert b.ref_cnt == 1 and b.block_hash is None, f"block {b.block_id} is not withdrawn"
-            b.ref_cnt = 0
-            self.freed_at[b.block_id] = now
+        if self._made[sb * k] is None:  # never used: made now, free
+            blocks = self._make_superblock(sb, withdrawn=False)
+            self.freed_at[sb * k:(sb + 1) * k] = [now] * k
+        else:
+            blocks = self._made[sb * k:(sb + 1) * k]  # type: ignore[assignment]
+            for b in blocks:
+                assert b.ref_cnt == 1 and b.block_hash is None, f"block {b.block_id} is not withdrawn"
+                b.ref_cnt = 0
+                self.freed_at[b.block_id] = now
         self.free_block_queue.prepend_n(blocks, checked=False)
         self.num_reserved_blocks -= len(blocks)
         self.lent[sb] = True
@@ -221,10 +259,17 @@ class ArenaPool(BlockPool):
         matches them (on top of check_invariants)."""
         k = self.per_superblock
         withdrawn = 0
+        made = self._made
         for sb in range(len(self.lent)):
             if self.lent[sb]:
+                assert all(b is not None for b in made[sb * k:(sb + 1) * k]), f"superblock {sb} lent, not made"
                 continue
-            blocks = [b for b in self.superblock_blocks(sb) if not b.is_null]
+            row = made[sb * k:(sb + 1) * k]
+            if sb and all(b is None for b in row):  # never used: withdrawn since the start
+                withdrawn += k
+                continue
+            blocks = [b for b in row if b is not None and not b.is_null]
+            assert len(blocks) == k - (sb == 0), f"superblock {sb}: made in part"
             assert all(b.ref_cnt == 1 and b.block_hash is None and b.prev_free_block is None for b in blocks), \
                 f"superblock {sb} withdrawn but a block is free, cached or in more than the arena's hands"
             withdrawn += len(blocks)

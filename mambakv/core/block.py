@@ -8,13 +8,22 @@ Queue position *is* the eviction order: the head is reused first (DESIGN.md sect
 
     head-sentinel <-> b5 <-> b4 <-> b6 <-> ... <-> b1 <-> tail-sentinel
                       ^ popleft() takes this one            append() goes here ^
+
+A pool's never-used blocks need not exist yet (the cost of a pool grows with what is used): the
+queue may end its initial blocks with a *fresh run* of ``num_fresh`` blocks, stood for by one
+marker node (block id -2) at their place in the order. Nothing is ever linked inside the run,
+so it stays contiguous: blocks prepended go before it, blocks appended after it. A walk that
+reaches the marker makes the blocks it needs (``spill``) and links them just before it::
+
+    head <-> u1 <-> [fresh: 7 8 9 ... N-1] <-> h1 <-> h2 <-> tail
+    popleft_n(3):   u1, then 7 and 8 are made (the run starts at 9 now)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
-from mambakv.core.errors import BlockNotFreeError, DoubleFreeError, OutOfBlocksError
+from mambakv.core.errors import BlockNotFreeError, DoubleFreeError, InvalidSpecError, OutOfBlocksError
 
 
 class KVCacheBlock:
@@ -44,13 +53,13 @@ class KVCacheBlock:
         "next_free_block",
     )
 
-    def __init__(self, block_id: int) -> None:
+    def __init__(self, block_id: int, pool_id: int = -1) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: bytes | None = None
         self.cache_group_id = -1
         self.is_null = False
-        self.pool_id = -1
+        self.pool_id = pool_id
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
 
@@ -63,12 +72,15 @@ class FreeBlockQueue:
     """Intrusive doubly linked list of free blocks with two sentinels.
 
     Every operation is O(1) per block. The given blocks are queued in list order at
-    construction. ``num_free_blocks`` is the queue length.
+    construction, then (``num_fresh > 0``) a fresh run of that many blocks that
+    ``make_fresh(n)`` creates on demand, ``n`` at a time, in queue order (see the module
+    docstring). ``num_free_blocks`` is the queue length, the fresh run included.
     """
 
-    __slots__ = ("num_free_blocks", "_head", "_tail", "head", "tail")
+    __slots__ = ("num_free_blocks", "num_fresh", "_head", "_tail", "head", "tail", "_fresh", "_make_fresh")
 
-    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
+    def __init__(self, blocks: Sequence[KVCacheBlock], *, num_fresh: int = 0,
+                 make_fresh: Callable[[int], list[KVCacheBlock]] | None = None) -> None:
         self._head = KVCacheBlock(-1)
         self._tail = KVCacheBlock(-1)
         #: the head sentinel (block id -1): ``head.next_free_block`` is the block reused first
@@ -81,10 +93,63 @@ class FreeBlockQueue:
         self._tail.prev_free_block = self._head
         self.num_free_blocks = 0
         self.append_n(blocks)
+        #: blocks of the fresh run not made yet; its marker (block id -2) is linked while > 0
+        self.num_fresh = 0
+        self._fresh = KVCacheBlock(-2)
+        self._make_fresh = make_fresh
+        if num_fresh > 0:
+            if make_fresh is None:
+                raise InvalidSpecError("a fresh run needs make_fresh")
+            self._link_run(self._tail.prev_free_block, [self._fresh], self._tail)
+            self.num_fresh = num_fresh
+            self.num_free_blocks += num_fresh - 1  # the marker stands for num_fresh blocks
+
+    def spill(self, n: int) -> None:
+        """Make the first ``min(n, num_fresh)`` blocks of the fresh run and link them, in
+        order, at its place (just before the marker); the marker leaves the queue with the
+        run's last block. The queue's order and count are unchanged."""
+        n = min(n, self.num_fresh)
+        if n <= 0:
+            return
+        made = self._make_fresh(n)  # type: ignore[misc]
+        marker = self._fresh
+        prev = marker.prev_free_block
+        for block in made:
+            prev.next_free_block = block  # type: ignore[union-attr]
+            block.prev_free_block = prev
+            prev = block
+        self.num_fresh -= n
+        if self.num_fresh:
+            prev.next_free_block = marker  # type: ignore[union-attr]
+            marker.prev_free_block = prev
+        else:  # the run is used up: the marker goes
+            after = marker.next_free_block
+            prev.next_free_block = after  # type: ignore[union-attr]
+            after.prev_free_block = prev  # type: ignore[union-attr]
+            marker.prev_free_block = marker.next_free_block = None
+
+    def ensure_front(self, n: int) -> None:
+        """Make sure the first `n` queue positions are real blocks (spill the fresh run if the
+        marker lies among them): what a walk of `n` blocks from the head calls first. O(1)
+        without a fresh run, else O(min(n, position of the marker))."""
+        if not self.num_fresh:
+            return
+        node = self._head.next_free_block
+        marker, tail = self._fresh, self._tail
+        for i in range(n):
+            if node is marker:
+                self.spill(n - i)
+                return
+            if node is tail:
+                return
+            node = node.next_free_block  # type: ignore[union-attr]
 
     def popleft(self) -> KVCacheBlock:
         """Take the head block (the next one to reuse). Raises OutOfBlocksError if empty."""
         block = self._head.next_free_block
+        if block is self._fresh:
+            self.spill(1)
+            block = self._head.next_free_block
         if block is self._tail or block is None:
             raise OutOfBlocksError("no free blocks")
         nxt = block.next_free_block
@@ -101,8 +166,12 @@ class FreeBlockQueue:
         return self._head, self._tail
 
     def first(self) -> KVCacheBlock | None:
-        """The head block (the next one ``popleft`` takes), or None when empty; changes nothing."""
+        """The head block (the next one ``popleft`` takes; made now if it is the fresh run's),
+        or None when empty; changes nothing else."""
         block = self._head.next_free_block
+        if block is self._fresh:
+            self.spill(1)
+            block = self._head.next_free_block
         return None if block is self._tail or block is None else block
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
@@ -112,6 +181,8 @@ class FreeBlockQueue:
             raise OutOfBlocksError(f"asked for {n} blocks, {self.num_free_blocks} free")
         if n <= 0:
             return []
+        if self.num_fresh:
+            self.ensure_front(n)
         out: list[KVCacheBlock | None] = [None] * n
         block = self._head.next_free_block
         for i in range(n):
@@ -216,25 +287,38 @@ class FreeBlockQueue:
         return blocks
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        """The free blocks from head to tail (O(n); for tests and invariant checks)."""
-        out = []
+        """The free blocks from head to tail (O(n), the fresh run made first; for tests)."""
+        self.spill(self.num_fresh)
+        return list(self.made_blocks())
+
+    def made_blocks(self) -> Iterable[KVCacheBlock]:
+        """The queued blocks that exist, head to tail (the fresh run, not made yet, skipped);
+        changes nothing. For invariant checks."""
         block = self._head.next_free_block
         while block is not self._tail and block is not None:
-            out.append(block)
+            if block is not self._fresh:
+                yield block
             block = block.next_free_block
-        return out
 
     def check_invariants(self) -> None:
-        """Assert the links are consistent both ways and the count matches."""
+        """Assert the links are consistent both ways and the count matches (the fresh run's
+        marker counts for its blocks)."""
         seen = 0
         assert self.head is self._head and self.tail is self._tail, "sentinels rebound"
         prev = self._head
         block = self._head.next_free_block
+        marked = False
         while block is not self._tail:
             assert block is not None, "broken forward link"
             assert block.prev_free_block is prev, f"broken back link at block {block.block_id}"
-            assert block.block_id >= 0, "sentinel inside the queue"
-            seen += 1
+            if block is self._fresh:
+                assert not marked and self.num_fresh > 0, "fresh-run marker linked twice or without a run"
+                marked = True
+                seen += self.num_fresh
+            else:
+                assert block.block_id >= 0, "sentinel inside the queue"
+                seen += 1
             prev, block = block, block.next_free_block
+        assert marked == (self.num_fresh > 0), "fresh run without its marker"
         assert self._tail.prev_free_block is prev, "tail back link"
         assert seen == self.num_free_blocks, f"count {self.num_free_blocks} != linked {seen}"

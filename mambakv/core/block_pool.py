@@ -25,11 +25,16 @@ the map keeps itself consistent and, when events are enabled, records the raw pe
 ``(group, hash)`` stream of :mod:`mambakv.core.events`: BlockStored when the first block of a
 group gets a hash, BlockRemoved when the last one loses it, AllBlocksCleared on ``clear``.
 
-Batch primitives (one implementation each, as vLLM's ``popleft_n`` / ``append_n``): the pool
-calls a prefill chunk makes back to back, in one pass: ``get_then_cache`` and
-``cache_then_free``; ``evict_first`` moves free cached blocks to the eviction end of the
-cached part. A subclass that changes ``get_new_blocks``, ``free_blocks`` or the cache calls
-overrides these too.
+Batch work is one call per step (as vLLM's ``popleft_n`` / ``append_n``): ``get_new_blocks(n)``
+pops and evicts in one walk, ``free_blocks`` requeues a whole table, ``cache_state_blocks``
+publishes one state per Mamba group; ``evict_first`` moves free cached blocks to the eviction
+end of the cached part.
+
+A pool's cost grows with what is used: its blocks are made on first use (the free queue's
+fresh run, :mod:`mambakv.core.block`), so building a pool of 10^7 blocks makes 2 objects, not
+10^7 (the made blocks are a list that grows as blocks are first used). ``blocks[i]`` makes block `i` (and the
+never-used ones queued before it) when it does not exist yet, so every id still reads as in an
+eagerly built pool.
 
 The refusals of bad input are cheap tests inline (one identity pass, one compare per block);
 the helpers below only name the culprit and raise, or undo a half-done free first::
@@ -43,7 +48,8 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Iterable, Sequence
+import os
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NoReturn
 
 from mambakv.core.block import FreeBlockQueue, KVCacheBlock
@@ -51,13 +57,15 @@ from mambakv.core.errors import (
     BlockNotFreeError,
     DoubleFreeError,
     InvalidBlockError,
+    InvalidSpecError,
     InvalidTokenCountError,
     OutOfBlocksError,
 )
 from mambakv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, stored_events
 
-__all__ = ["AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "KVCacheEvent", "MapEntry", "PrefixMap",
-           "checked_block_ids", "first_duplicate_id"]
+__all__ = ["BOOKKEEPING_BYTES_PER_BLOCK", "MAX_BLOCKS", "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored",
+           "KVCacheEvent", "MapEntry", "PoolBlocks", "PrefixMap", "check_num_blocks", "checked_block_ids",
+           "first_duplicate_id", "physical_memory_bytes"]
 
 #: one hash of one group: its only block, or ``{block_id: block}`` for several copies
 MapEntry = KVCacheBlock | dict[int, KVCacheBlock]
@@ -304,37 +312,130 @@ def checked_block_ids(block_ids: Iterable[int], num_blocks: int) -> list[int]:
 
 _POOL_IDS = itertools.count()
 
+#: the most blocks a pool may have: block ids are int32 on the device (block tables, state
+#: indices), and -1 marks a null entry there
+MAX_BLOCKS = 2**31 - 1
+#: bytes of bookkeeping a pool keeps per block before any block is used (one list slot, plus an
+#: arena pool's free-time stamp): the bound the machine's memory is checked against
+BOOKKEEPING_BYTES_PER_BLOCK = 16
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's physical memory (``sysconf``), or None where it cannot be read."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_num_blocks(num_blocks: object) -> int:
+    """`num_blocks` of a pool: an int in ``2 .. MAX_BLOCKS`` whose up-front bookkeeping
+    (``BOOKKEEPING_BYTES_PER_BLOCK`` per block) fits in the machine's memory.
+
+    Raises:
+        InvalidTokenCountError: not an int >= 2.
+        InvalidSpecError: more than ``MAX_BLOCKS`` (int32 block ids), or bookkeeping beyond the
+            machine's memory; the message names the knobs (a larger page or block, less memory).
+    """
+    if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
+        raise InvalidTokenCountError(f"num_blocks must be an int >= 2, got {num_blocks!r}")
+    if num_blocks > MAX_BLOCKS:
+        raise InvalidSpecError(
+            f"num_blocks {num_blocks:,} is more than {MAX_BLOCKS:,} (block ids are int32 on the device): "
+            f"use larger blocks or pages (page_tokens) or less cache memory")
+    memory = physical_memory_bytes()
+    need = num_blocks * BOOKKEEPING_BYTES_PER_BLOCK
+    if memory is not None and need > memory:
+        raise InvalidSpecError(
+            f"num_blocks {num_blocks:,} needs {need / 2**30:.1f} GiB of bookkeeping, more than this machine's "
+            f"{memory / 2**30:.1f} GiB: use larger blocks or pages (page_tokens) or less cache memory")
+    return num_blocks
+
+
+class PoolBlocks(Sequence[KVCacheBlock]):
+    """``BlockPool.blocks``: the block with id `i` at index `i`, for every id ``0 ..
+    num_blocks - 1``. A block the pool has not made yet is made on first access (as it would
+    have been: free, unhashed, at its place in the free queue); iterating makes every block."""
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: BlockPool) -> None:
+        self._pool = pool
+
+    def __len__(self) -> int:
+        return self._pool.num_blocks
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]
+        pool = self._pool
+        n = pool.num_blocks
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(n))]
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"block id {i} outside 0..{n - 1}")
+        made = pool._made
+        b = made[i] if i < len(made) else None
+        return b if b is not None else pool._make_block(i)
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        for i in range(self._pool.num_blocks):
+            yield self[i]
+
 
 class BlockPool:
-    """All blocks of the KV cache, created once.
+    """All blocks of the KV cache: the null block, the free queue, ref counts, the prefix cache.
 
     Args:
-        num_blocks: blocks in the pool including the null block 0 (>= 2).
+        num_blocks: blocks in the pool including the null block 0 (>= 2). Blocks are made on
+            first use: the pool costs ``BOOKKEEPING_BYTES_PER_BLOCK`` or less per block until
+            then (docs/benchmarks.md, "Building a pool").
         enable_caching: keep a prefix-cache map; when False nothing is ever hashed.
         enable_kv_cache_events: record BlockStored / BlockRemoved / AllBlocksCleared events
             for ``take_events()``.
+
+    Raises:
+        InvalidTokenCountError: `num_blocks` is not an int >= 2.
+        InvalidSpecError: `num_blocks` above ``MAX_BLOCKS``, or bookkeeping beyond the
+            machine's memory (``check_num_blocks``).
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True, enable_kv_cache_events: bool = False) -> None:
-        if not isinstance(num_blocks, int) or num_blocks < 2:
-            raise InvalidTokenCountError(f"num_blocks must be an int >= 2, got {num_blocks!r}")
-        self.num_blocks = num_blocks
+        self.num_blocks = check_num_blocks(num_blocks)
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         #: distinguishes this pool's blocks from any other pool's (``KVCacheBlock.pool_id``)
         self.pool_id = next(_POOL_IDS)
-        for b in self.blocks:
-            b.pool_id = self.pool_id
-        self.free_block_queue = FreeBlockQueue(self.blocks)
-        self.null_block = self.free_block_queue.popleft()
+        #: the blocks made so far, by id: ids ``0 .. len(_made) - 1`` (an arena pool keeps one
+        #: slot per id, None while never used)
+        self._made: list[KVCacheBlock | None] = [KVCacheBlock(0, self.pool_id)]
+        #: index == block_id (made on first access)
+        self.blocks: Sequence[KVCacheBlock] = PoolBlocks(self)
+        self.null_block: KVCacheBlock = self._made[0]  # type: ignore[assignment]
         self.null_block.is_null = True
+        #: the first id of the fresh run (blocks ``_fresh_lo .. num_blocks - 1`` not made yet)
+        self._fresh_lo = 1
+        self.free_block_queue = FreeBlockQueue((), num_fresh=num_blocks - 1, make_fresh=self._make_fresh)
         self.prefix_map = PrefixMap(record_events=enable_kv_cache_events)
         #: group id -> block hash -> block, or {block_id: block} when several share the hash
         #: (the PrefixMap's own dict: read it, change it only through the pool)
         self.cached_block_hash_to_block = self.prefix_map.maps
         #: blocks out of circulation, in no table (a decoupled pool's withdrawn blocks; 0 otherwise)
         self.num_reserved_blocks = 0
+
+    def _make_fresh(self, n: int) -> list[KVCacheBlock]:
+        """The next `n` blocks of the fresh run (the free queue spills them in this order)."""
+        lo, pid = self._fresh_lo, self.pool_id
+        made = [KVCacheBlock(i, pid) for i in range(lo, lo + n)]
+        self._made.extend(made)
+        self._fresh_lo = lo + n
+        return made
+
+    def _make_block(self, block_id: int) -> KVCacheBlock:
+        """Make block `block_id`, never used so far, where it would be: the fresh run is spilled
+        up to it (their queue order is their id order)."""
+        self.free_block_queue.spill(block_id - self._fresh_lo + 1)
+        return self._made[block_id]  # type: ignore[return-value]
 
     @property
     def num_evictions(self) -> int:
@@ -390,6 +491,8 @@ class BlockPool:
             block.ref_cnt = 1
             return [block]
         q = self.free_block_queue
+        if q.num_fresh:  # the walk below reads real blocks only
+            q.ensure_front(num_blocks)
         head = q.head
         blocks = []
         hashed = None
@@ -548,9 +651,10 @@ class BlockPool:
         """
         ids = checked_block_ids(block_ids, self.num_blocks)
         queue = self.free_block_queue
+        made = self._made
         for block_id in ids:
-            block = self.blocks[block_id]
-            if block.block_hash is not None and not block.is_null:
+            block = made[block_id] if block_id < len(made) else None  # a block never made holds nothing
+            if block is not None and block.block_hash is not None and not block.is_null:
                 self.prefix_map.remove(block)
                 if block.ref_cnt == 0:
                     queue.remove(block)
@@ -585,9 +689,10 @@ class BlockPool:
         not count as in use here."""
         if self.free_block_queue.num_free_blocks != self.num_blocks - 1 - self.num_reserved_blocks:
             return False
-        for block in self.blocks:
-            block.block_hash = None
-            block.cache_group_id = -1
+        for block in self._made:
+            if block is not None:
+                block.block_hash = None
+                block.cache_group_id = -1
         self.prefix_map.clear()
         return True
 
@@ -607,7 +712,7 @@ class BlockPool:
         assert null.block_id == 0 and null.is_null and null.block_hash is None
         assert null.prev_free_block is None and null.next_free_block is None, "null block queued"
         assert null.ref_cnt == 0, f"null block ref count {null.ref_cnt}"
-        free = q.get_all_free_blocks()
+        free = list(q.made_blocks())
         queued = {b.block_id for b in free}
         assert 0 not in queued
         seen_hashed: KVCacheBlock | None = None  # unhashed free blocks first (get_new_unhashed_block relies on it)
@@ -618,10 +723,21 @@ class BlockPool:
                 assert seen_hashed is None, (f"free queue: unhashed block {b.block_id} behind cached block "
                                              f"{seen_hashed.block_id}")
         hashed = 0
-        for b in self.blocks[1:]:
-            assert not b.is_null
+        self._check_made()
+        for made in self._made[1:]:
+            if made is None:
+                continue
+            b = made
+            assert not b.is_null and b.pool_id == self.pool_id
             assert b.ref_cnt >= 0
             assert (b.block_id in queued) == (b.ref_cnt == 0), f"block {b.block_id} ref {b.ref_cnt} vs queue"
             if b.block_hash is not None:
                 hashed += 1
         self.prefix_map.check_invariants(hashed)
+
+    def _check_made(self) -> None:
+        """The blocks not made yet are exactly the fresh run (an arena pool's withdrawn ones too)."""
+        made, lo = self._made, self._fresh_lo
+        assert self.num_blocks - lo == self.free_block_queue.num_fresh, "fresh run count"
+        assert len(made) == lo and all(b is not None and b.block_id == i for i, b in enumerate(made)), \
+            "blocks made out of the fresh run's order"

@@ -9,6 +9,7 @@ is what ``mambakv ... --json`` prints (:mod:`mambakv.sim.sim_result`, re-exporte
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -144,8 +145,9 @@ def _layout_settings(coord: KVCacheCoordinator) -> dict[str, Any]:
 
 def run_workload(coord: KVCacheCoordinator, specs: Sequence[RequestSpec], *, one_at_a_time: bool = False,
                  settings: dict[str, Any] | None = None, on_finish: Callable[[SimRequest], None] | None = None,
-                 **scheduler_kwargs: Any) -> SimResult:
+                 build_s: float = 0.0, **scheduler_kwargs: Any) -> SimResult:
     """Run `specs` through a :class:`Scheduler` on `coord` (keyword arguments go to it).
+    `build_s`: seconds it took to build `coord` (the result's wall time includes them).
 
     A request whose prompt leaves no room for one output token (``num_prompt_tokens + 1 >
     coord.max_model_len``) is rejected before the run, as an engine refuses it at admission:
@@ -155,7 +157,7 @@ def run_workload(coord: KVCacheCoordinator, specs: Sequence[RequestSpec], *, one
     kept = [s for s in specs if s.num_prompt_tokens + 1 <= limit]
     sched = Scheduler(coord, on_finish=on_finish, **scheduler_kwargs)
     metrics = sched.run(kept, one_at_a_time=one_at_a_time)
-    return SimResult(coord, metrics, dict(settings or {}), rejected=len(specs) - len(kept))
+    return SimResult(coord, metrics, dict(settings or {}), rejected=len(specs) - len(kept), build_s=build_s)
 
 
 def run_replay(model: str | Path = DEFAULT_MODEL, *, prompt_tokens: int = 480_031, output_tokens: int = 4,
@@ -175,18 +177,20 @@ def run_replay(model: str | Path = DEFAULT_MODEL, *, prompt_tokens: int = 480_03
     if prompt_tokens + output_tokens > DEFAULT_MAX_MODEL_LEN:
         raise InvalidTokenCountError(f"prompt {prompt_tokens:,} + output {output_tokens:,} tokens exceed "
                                      f"max_model_len {DEFAULT_MAX_MODEL_LEN:,}")
+    t0 = time.perf_counter()
     coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens, use_eagle=use_eagle,
                               mamba_policy=mamba_policy, max_num_seqs=kwargs.get("max_num_seqs", 256),
                               layout=layout, page_tokens=page_tokens, placement=placement, eviction=eviction,
                               hazard_table=hazard_table, host_memory_gib=host_memory_gib, host_write=host_write,
                               host_eviction=host_eviction)
+    build_s = time.perf_counter() - t0
     settings = {"workload": "replay", "model": str(model), "memory_gib": memory_gib,
                 "mamba_policy": _policy_name(coord, mamba_policy), **_layout_settings(coord),
                 "prompt_tokens_requested": prompt_tokens, "output_tokens_requested": output_tokens,
                 "max_num_batched_tokens": max_num_batched_tokens,
                 "num_speculative_tokens": num_speculative_tokens, "in_flight": in_flight}
     specs = long_prefill(prompt_tokens, output_len=output_tokens, seed=seed)
-    return run_workload(coord, specs, settings=settings, max_num_batched_tokens=max_num_batched_tokens,
+    return run_workload(coord, specs, settings=settings, max_num_batched_tokens=max_num_batched_tokens, build_s=build_s,
                         num_speculative_tokens=num_speculative_tokens, lag=in_flight, seed=seed, **kwargs)
 
 
@@ -219,12 +223,14 @@ def run_trace(path: str | Path, model: str | Path = DEFAULT_MODEL, *, memory_gib
     """
     if replay not in REPLAY_MODES:
         raise InvalidSpecError(f"unknown replay {replay!r}; known: {', '.join(REPLAY_MODES)}")
+    t0 = time.perf_counter()
     coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens,
                               use_eagle=use_eagle, num_blocks=num_blocks, mamba_policy=mamba_policy,
                               max_num_seqs=max_num_seqs, layout=layout, page_tokens=page_tokens,
                               placement=placement, eviction=eviction, hazard_table=hazard_table,
                               host_memory_gib=host_memory_gib, host_write=host_write,
                               host_eviction=host_eviction)
+    build_s = time.perf_counter() - t0
     if specs is None:
         specs = load_trace(path, limit=limit, max_output_tokens=max_output_tokens, skip=skip)
     strict_specs = specs
@@ -241,6 +247,7 @@ def run_trace(path: str | Path, model: str | Path = DEFAULT_MODEL, *, memory_gib
                 "num_speculative_tokens": num_speculative_tokens, "in_flight": in_flight,
                 "one_at_a_time": one_at_a_time, "oracle_hints": oracle_hints}
     result = run_workload(coord, specs, one_at_a_time=one_at_a_time, settings=settings, max_num_seqs=max_num_seqs,
+                          build_s=build_s,
                           max_num_batched_tokens=max_num_batched_tokens,
                           num_speculative_tokens=num_speculative_tokens, lag=in_flight, seed=seed, **kwargs)
     result.extra["hit_tokens_by_cause"] = dict(causes.tokens)
@@ -260,11 +267,13 @@ def run_conversations(model: str | Path = DEFAULT_MODEL, *, num_conversations: i
                       host_memory_gib: float | None = None, host_write: str = "through",
                       host_eviction: str | None = None, **kwargs: Any) -> SimResult:
     """Multi-turn chats (:func:`~mambakv.sim.workloads.conversations`) through the scheduler."""
+    t0 = time.perf_counter()
     coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens, use_eagle=use_eagle,
                               mamba_policy=mamba_policy, max_num_seqs=max_num_seqs, layout=layout,
                               page_tokens=page_tokens, placement=placement, eviction=eviction,
                               hazard_table=hazard_table, host_memory_gib=host_memory_gib, host_write=host_write,
                               host_eviction=host_eviction)
+    build_s = time.perf_counter() - t0
     if specs is None:
         specs = conversations(num_conversations, turns, seed=seed)
     settings = {"workload": "chat", "model": str(model), "memory_gib": memory_gib,
@@ -274,5 +283,5 @@ def run_conversations(model: str | Path = DEFAULT_MODEL, *, num_conversations: i
                 "num_speculative_tokens": num_speculative_tokens, "in_flight": in_flight,
                 "one_at_a_time": one_at_a_time}
     return run_workload(coord, specs, one_at_a_time=one_at_a_time, settings=settings, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens,
+                        build_s=build_s, max_num_batched_tokens=max_num_batched_tokens,
                         num_speculative_tokens=num_speculative_tokens, lag=in_flight, seed=seed, **kwargs)
