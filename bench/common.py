@@ -47,6 +47,8 @@ def manager_replay_480k(block_size: int, in_flight: int, nspec: int = 5, total: 
     held blocks, steps, seconds)."""
     spec = MambaSpec(block_size, ((1, 1),), ("float32",), mode="align", num_speculative_blocks=nspec)
     pool = BlockPool(1000)
+    for _ in pool.blocks:  # every block made before the loop, as vLLM's pool (see warm)
+        pass
     m = MambaManager(spec, pool)
     free0 = pool.get_num_free_blocks()
     chunk = budget // block_size * block_size
@@ -84,12 +86,23 @@ def random_prompt(n: int, seed: int = 0) -> list[int]:
     return [rng.randrange(VOCAB) for _ in range(n)]
 
 
+def warm(coord: KVCacheCoordinator) -> None:
+    """Make every block of `coord`'s pools now (a pool makes a block on its first use,
+    ``BlockPool.blocks``), so a timed loop measures steady-state steps, as vLLM's peer scripts
+    do with the blocks their pool built eagerly before the loop."""
+    for pool in coord.pools:
+        for _ in pool.blocks:
+            pass
+
+
 def hybrid_prefill(coord: KVCacheCoordinator, prompt, in_flight: int, budget: int = BUDGET, *,
                    retire_in_allocate: bool = False) -> dict:
     """One prefill through the coordinator as an engine drives it: chunks aligned to the
     block size, retire with processed tokens lagging by `in_flight` steps (``retire`` then
     ``allocate``, or with `retire_in_allocate` one ``allocate(..., num_processed_tokens=)``).
-    Hashing (building the Request and its block hashes) is timed apart from the scheduling calls."""
+    Hashing (building the Request and its block hashes) is timed apart from the scheduling calls.
+    The pools are warmed first (``warm``): vLLM builds every block up front, outside its loop."""
+    warm(coord)
     t0 = time.perf_counter()
     req = Request("prefill", prompt)
     req.set_hash_block_size(coord.hash_block_size)

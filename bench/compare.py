@@ -10,7 +10,9 @@ here: the peer scripts run in a subprocess with the venv's Python.
 Block counts and hit rates are exact and must match; times drift on shared machines, which is
 why each pair runs back to back (see ``py_ref_ms`` in the output). ``--rounds N`` repeats the
 whole comparison N times, the two sides alternating, and ends with the median ratio per workload
-and its spread (min-max). Targets are the core-restructure issue's (13).
+and its spread (min-max). Targets are the one-path restructure's (issue 29): replay through the
+three calls 0.60, hybrid prefill 0.40, decode 0.05 (the trace rows are informative: that issue
+compares trace library time with the version before it, bench/bench_trace.py).
 """
 
 from __future__ import annotations
@@ -43,16 +45,21 @@ def row(name: str, ours: float, theirs: float, unit: str, target: float | None, 
 
 
 def compare_replay(py: str, repeat: int) -> list[dict]:
+    """MambaManager alone, through the three calls vLLM's own replay makes per step
+    (``remove_skipped_blocks``, ``get_num_blocks_to_allocate``, ``allocate_new_blocks``;
+    target 0.60), and through ``schedule_step``, which makes the same three calls (no target)."""
     from common import manager_replay_480k
     rows = []
     for line in run_peer(py, "vllm_replay.py", "--repeat", str(repeat)):
         bs, inf = int(line["block_size"]), int(line["in_flight"])
-        runs = [manager_replay_480k(bs, inf) for _ in range(repeat)]
-        peak, steps, _ = runs[0]
-        assert peak == int(line["peak_held"]), (peak, line)
-        ours = min(r[2] for r in runs) / steps * 1e6
-        rows.append(row(f"prefill_480k manager bs={bs} in_flight={inf}", ours, float(line["us_per_step"]),
-                        "us/step", 0.35, f"peak {peak}"))
+        for one_call in (False, True):
+            runs = [manager_replay_480k(bs, inf, fused=one_call) for _ in range(repeat)]
+            peak, steps, _ = runs[0]
+            assert peak == int(line["peak_held"]), (peak, line)
+            ours = min(r[2] for r in runs) / steps * 1e6
+            form = "schedule_step" if one_call else "3 calls"
+            rows.append(row(f"prefill_480k manager bs={bs} in_flight={inf} {form}", ours, float(line["us_per_step"]),
+                            "us/step", None if one_call else 0.60, f"peak {peak}"))
     return rows
 
 
@@ -75,9 +82,9 @@ def compare_prefill(py: str, repeat: int) -> list[dict]:
         alloc_ms = min(r["sched_s"] for r in runs) * 1e3
         hash_ms = statistics.median(r["hash_s"] for r in runs) * 1e3
         rows.append(row(f"prefill_480k_hybrid alloc in_flight={inf}", alloc_ms, float(line["replay_ms_min"]),
-                        "ms/prefill", 0.25, f"{runs[0]['steps']} vs {line['steps']} steps; retire + allocate"))
+                        "ms/prefill", 0.40, f"{runs[0]['steps']} vs {line['steps']} steps; retire + allocate"))
         rows.append(row(f"prefill_480k_hybrid alloc 1-call in_flight={inf}", min(r["sched_s"] for r in fused) * 1e3,
-                        float(line["replay_ms_min"]), "ms/prefill", 0.25, "allocate(..., num_processed_tokens=)"))
+                        float(line["replay_ms_min"]), "ms/prefill", 0.40, "allocate(..., num_processed_tokens=)"))
         rows.append(row(f"prefill_480k_hybrid hash (list) in_flight={inf}", hash_ms, float(line["hash_ms"]),
                         "ms", 1.0))
     return rows

@@ -19,6 +19,7 @@ from mambakv.core.errors import (
     InvalidClockError,
     InvalidCopyPlanError,
     InvalidDraftCountError,
+    InvalidFenceError,
     InvalidHashError,
     InvalidRequestError,
     InvalidSpecError,
@@ -70,7 +71,8 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AllBlocksCleared", "BlockKind", "BlockNotFreeError", "BlockPool", "BlockRemoved", "BlockStored", "CopyBackend", "DoubleFreeError",
     "FreeBlockQueue", "FullAttentionManager", "FullAttentionSpec", "HashBlockSizeMismatchError", "HostTierSpec", "HostWrite",
-    "InvalidBlockError", "InvalidClockError", "InvalidCopyPlanError", "InvalidDraftCountError", "InvalidHashError", "InvalidRequestError", "InvalidSpecError", "InvalidTokenCountError", "KVCacheBlock", "KVCacheBlocks",
+    "InvalidBlockError", "InvalidClockError", "InvalidCopyPlanError", "InvalidDraftCountError", "InvalidFenceError",
+    "InvalidHashError", "InvalidRequestError", "InvalidSpecError", "InvalidTokenCountError", "KVCacheBlock", "KVCacheBlocks",
     "LoadPendingError", "LoadPlan",
     "DecodeCheckpoints", "KVCacheConfig", "KVCacheCoordinator", "KVCacheGroupSpec", "KVCacheSpec", "MambaCacheMode",
     "MambaKVError",

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import compress
 from typing import NoReturn
 
 from mambakv.core.arena import SuperblockArena
@@ -67,6 +68,7 @@ from mambakv.core.errors import (
     HashBlockSizeMismatchError,
     InvalidBlockError,
     InvalidDraftCountError,
+    InvalidFenceError,
     InvalidRequestError,
     InvalidSpecError,
     InvalidTokenCountError,
@@ -164,7 +166,9 @@ class RequestState:
         end = num_tokens + num_lookahead_tokens
         if end > self.quiet_max:
             return None
-        active = [num_tokens > q or end > c for c, q in self.thresholds]
+        active = []
+        for c, q in self.thresholds:  # a loop, not a comprehension: once per running step
+            active.append(num_tokens > q or end > c)
         return None if all(active) else active
 
 
@@ -342,6 +346,8 @@ class KVCacheCoordinator:
         #: per policy, its columns' (empty) hit lists when a step has no hits
         self._policy_no_hits = tuple(((),) * len(cols) for cols in self._columns)
         self._mamba_policies = tuple(m for m in self.policies if isinstance(m, MambaManager))
+        #: where the Mamba policies sit among the policies (a request state's tables follow them)
+        self._mamba_policy_index = tuple(i for i, m in enumerate(self.policies) if isinstance(m, MambaManager))
         self._attention = tuple(m for m in self.policies if m.publishes_at_allocation)
         #: most draft tokens one step may verify without a group refusing it (each Mamba group
         #: checks its own rule above this); no limit without Mamba groups
@@ -355,8 +361,9 @@ class KVCacheCoordinator:
         self._live: dict[str, RequestState] = {}
         #: the per-group new blocks of every allocate since the last new_step / take_step_plan
         self._new_results: list[tuple[list[KVCacheBlock], ...]] = []
-        #: a Mamba group may have copies / zeros to drain (set with its new blocks)
-        self._copies_pending = self._zeros_pending = False
+        #: a Mamba group may have copies / zeros to drain (set with its new blocks), checkpoint
+        #: writes (set by every step that reached a Mamba policy)
+        self._copies_pending = self._zeros_pending = self._writes_pending = False
         self.num_steps = 0
         #: the rules ``next_chunk_end`` follows (mambakv.placement)
         self.checkpoint_placement = resolve_placement(checkpoint_placement, kv_cache_config.layout)
@@ -494,9 +501,9 @@ class KVCacheCoordinator:
         active = live.active_policies(num_tokens, num_lookahead_tokens) if (
             live is not None and hits is self._no_hits and not num_drafts) else None
         if active is not None:
-            policies = tuple(p for p, a in zip(policies, active) if a)
-            columns = tuple(c for c, a in zip(columns, active) if a)
-            policy_hits = tuple(h for h, a in zip(self._policy_no_hits, active) if a)
+            policies = tuple(compress(policies, active))
+            columns = tuple(compress(columns, active))
+            policy_hits = tuple(compress(self._policy_no_hits, active))
         # count
         room: tuple[int, int] | None = None  # decoupled: (pages, slots) the step pops
         if live is None or num_tokens + num_lookahead_tokens > live.num_covered:
@@ -514,6 +521,7 @@ class KVCacheCoordinator:
                     return None
                 room = pages, slots
         # commit
+        new_request = live is None
         if live is None:
             live = self._live[rid] = RequestState(request, tuple(p.table(rid) for p in policies), num_tokens)
             self._count_admission(request, num_new_computed_tokens)
@@ -538,8 +546,17 @@ class KVCacheCoordinator:
             self._host.release(rid, self.now, admitted_tokens=num_computed)
         if room is not None:
             self.arena.make_room(*room)  # type: ignore[union-attr]
-        new_blocks: list[list[KVCacheBlock]] = [[] for _ in self.managers]
+        new_blocks: list[list[KVCacheBlock]] = list(map(list, self._no_hits))  # a fresh list per group
         any_new = False
+        if self.mamba_managers:  # a Mamba policy records the step's checkpoint writes
+            self._writes_pending = True
+        # a Mamba table's new suffix may hold relocated blocks (table_appends): its length before
+        tables = live.tables
+        mamba_lengths = None
+        if not new_request:
+            mamba_lengths = []
+            for i in self._mamba_policy_index:
+                mamba_lengths.append(len(tables[i].blocks))
         for p, cols in zip(policies, columns):
             per_column = p.allocate_columns(rid, num_tokens, num_lookahead_tokens, num_drafts, decode=decode,
                                             num_computed_tokens=num_computed)
@@ -562,7 +579,25 @@ class KVCacheCoordinator:
             self._copies_pending = self._zeros_pending = True
         out = tuple(new_blocks)
         self._new_results.append(out)  # ids are read only if a plan is taken
-        return KVCacheBlocks(out)
+        return KVCacheBlocks(out, self._table_appends(rid, tables, out, mamba_lengths))
+
+    def _table_appends(self, rid: str, tables: tuple[BlockTable, ...], new_blocks: tuple[list[KVCacheBlock], ...],
+                       mamba_lengths: list[int] | None) -> tuple[list[KVCacheBlock], ...]:
+        """``KVCacheBlocks.table_appends`` of a step that took blocks: a new request's whole
+        tables; for a running one the new blocks, except a Mamba table that grew, whose suffix
+        beyond `mamba_lengths` (its length before the step) starts with its relocated scratch."""
+        if mamba_lengths is None:
+            return tuple([*m.req_to_blocks.get(rid, ())] for m in self.managers)
+        appends = None
+        for i, before in zip(self._mamba_policy_index, mamba_lengths):
+            t = tables[i]
+            if len(t.blocks) == before:
+                continue
+            if appends is None:
+                appends = list(new_blocks)
+            for gid, col in zip(self.policies[i].column_ids, t.columns):  # type: ignore[attr-defined]
+                appends[gid] = col[before:]
+        return new_blocks if appends is None else tuple(appends)
 
     def _checked_hits(self, request: Request, new_computed_blocks: KVCacheBlocks,
                       num_hit_tokens: int) -> Sequence[Sequence[KVCacheBlock]]:
@@ -854,7 +889,10 @@ class KVCacheCoordinator:
         if not self.enable_caching:
             return self._empty_blocks, 0
         hits, length = self._hits.find(request, use_eagle=self.use_eagle)
-        return (KVCacheBlocks(tuple(hits)) if length else self._empty_blocks), length
+        if not length:
+            return self._empty_blocks, 0
+        found = tuple(hits)
+        return KVCacheBlocks(found, found), length
 
     def get_shared_prefix_length(self, request: Request) -> int:
         """Tokens: the longest prefix of `request` (aligned like a hit, at most
@@ -958,8 +996,26 @@ class KVCacheCoordinator:
 
     def take_transfer_plan(self) -> TransferPlan:
         """Drain the host tier's transfers since the last drain: stores first, then the loads
-        started (order contract in :mod:`mambakv.core.transfers`)."""
+        started (order contract in :mod:`mambakv.core.transfers`). A non-empty plan carries a
+        new ``fence``: report it with ``transfers_done(plan.fence)`` once its copies ran."""
         return EMPTY_TRANSFER_PLAN if self._host is None else self._host.take_transfer_plan()
+
+    def transfers_done(self, fence: int) -> None:
+        """The engine's copies of every transfer plan up to `fence` have run (an event of the
+        stream they ran on completed, or they ran on the forward's stream before it): the GPU
+        blocks held for them go back to the free queue (the sources of write-through stores;
+        the destinations of loads aborted after their plan was drained). Until then no other
+        request can be handed them (:mod:`mambakv.core.transfers`, "The fence"). A fence
+        already passed, and any fence without a host tier, is a no-op.
+
+        Raises:
+            InvalidFenceError: `fence` is not an int in ``0 .. the last plan's fence``; nothing changed.
+        """
+        if self._host is None:
+            if type(fence) is not int or fence != 0:
+                raise InvalidFenceError(f"transfers_done({fence!r}): no host tier, so no fence was issued")
+            return
+        self._host.transfers_done(fence)
 
     def _store_evicted(self, unit: Unit) -> None:
         """Write-on-evict (``UnitIndex.before_evict``): store `unit` before the GPU evicts it."""
@@ -974,8 +1030,10 @@ class KVCacheCoordinator:
         self.num_steps += 1
         if self._new_results:
             self._new_results = []
-        for m in self.mamba_managers:
-            m.drop_checkpoint_writes()
+        if self._writes_pending:
+            self._writes_pending = False
+            for m in self.mamba_managers:
+                m.drop_checkpoint_writes()
 
     def take_step_plan(self) -> StepPlan:
         """Every group's device work since the last drain, as one immutable :class:`StepPlan`
@@ -1014,6 +1072,9 @@ class KVCacheCoordinator:
         """Per Mamba group: ``(request id, block id, position)`` for each block a step planned
         since the last call writes (running state, scratch) and the position it holds after
         the step. See MambaManager.take_checkpoint_writes."""
+        if not self._writes_pending:
+            return {}
+        self._writes_pending = False
         return {m.kv_cache_group_id: w for m in self.mamba_managers if (w := m.take_checkpoint_writes())}
 
     def get_state_plan(self, request_id: str) -> dict[int, StatePlan]:

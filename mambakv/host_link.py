@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from mambakv.core.arena import SuperblockArena
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
-from mambakv.core.errors import InvalidSpecError, LoadPendingError
+from mambakv.core.errors import InvalidFenceError, InvalidSpecError, LoadPendingError
 from mambakv.core.eviction import make_eviction_policy
 from mambakv.core.host_tier import HostTier, HostTierSpec, HostWrite, first_copy
 from mambakv.core.modes import MambaCacheMode
@@ -87,6 +87,10 @@ class _Load:
     host_blocks: tuple[list[KVCacheBlock], list[KVCacheBlock]]  # pinned host pages, slots
     plan: LoadPlan
     done: bool = False
+    #: the fence of the transfer plan that handed it to the engine (0: not drained yet)
+    fence: int = 0
+    #: its copies ran (``complete_load``, or ``transfers_done`` passed its fence)
+    copied: bool = False
 
 
 class HostLink:
@@ -101,6 +105,19 @@ class HostLink:
     Attributes:
         loads: request id -> its load (in flight, or complete and held until its first
             ``allocate`` or ``free``).
+        fence: the fence of the last non-empty transfer plan drained (0: none yet).
+        done_fence: the largest fence ``transfers_done`` reported.
+
+    The fence (:mod:`mambakv.core.transfers`): GPU blocks a drained copy may still read or
+    write are held, one ref count each, until ``transfers_done`` passes its plan's fence: the
+    sources of write-through stores (held from the store's planning), and the destinations of
+    a load aborted (``abort_load``, ``free``, ``preempt_all``) after its plan was drained and
+    before ``complete_load``::
+
+        free("q")      store_chain reads q's pages 17, 18 -> held   (pending: no fence yet)
+        take plan      fence 4 <- {17, 18}
+        abort("r7")    r7's load was in fence 4, not complete: destination 40 -> fence 4
+        transfers_done(4)   17, 18 freed (cached, LRU tail); 40 freed (unhashed, head)
     """
 
     def __init__(self, host: HostTier, *, block_pool: BlockPool, state_block_pool: BlockPool,
@@ -110,6 +127,11 @@ class HostLink:
         self.arena, self.units = arena, units
         self.stats = stats
         self.loads: dict[str, _Load] = {}
+        self.fence = self.done_fence = 0
+        #: GPU (pages, states) held for the stores planned since the last drain
+        self._pending: tuple[list[KVCacheBlock], list[KVCacheBlock]] = ([], [])
+        #: fence -> GPU (pages, states) held until ``transfers_done`` passes it
+        self._fenced: dict[int, tuple[list[KVCacheBlock], list[KVCacheBlock]]] = {}
 
     # ------------------------------------------------------------------ lookups and loads
     def tiered_hit(self, request: Request, blocks: KVCacheBlocks, num_gpu_tokens: int, now: float) -> TieredHit:
@@ -221,7 +243,7 @@ class HostLink:
         for gid, b in load.new_states:
             self.state_block_pool.cache_full_blocks([b], [load.hashes[-1]], gid)
         host.unpin(*load.host_blocks)
-        load.done = True
+        load.done = load.copied = True
         # its copies ran: never hand them out again (an engine may complete a load before the
         # plan that carries it is drained)
         host.loads = [p for p in host.loads if p.request_id != request_id]
@@ -233,13 +255,79 @@ class HostLink:
 
     def take_transfer_plan(self) -> TransferPlan:
         """Drain the host tier's transfers since the last drain: stores first, then the loads
-        started (order contract in :mod:`mambakv.core.transfers`)."""
+        started (order contract in :mod:`mambakv.core.transfers`), under a new fence; the
+        GPU blocks held for its stores move to that fence."""
         host = self.host
         if not (host.stores or host.loads):
+            if self._pending[0] or self._pending[1]:  # their stores were dropped as stale: nothing reads them
+                self._free(self._pending)
+                self._pending = ([], [])
             return EMPTY_TRANSFER_PLAN  # the common step: one shared empty plan
-        plan = TransferPlan(tuple(host.take_stores()), tuple(host.loads))
+        self.fence += 1
+        plan = TransferPlan(tuple(host.take_stores()), tuple(host.loads), self.fence)
         host.loads = []
+        for p in plan.loads:
+            self.loads[p.request_id].fence = self.fence
+        if self._pending[0] or self._pending[1]:
+            self._fenced[self.fence] = self._pending
+            self._pending = ([], [])
         return plan
+
+    def transfers_done(self, fence: int) -> None:
+        """The copies of every plan up to `fence` ran: release what their fences hold (store
+        sources back to the free queue as cached blocks, aborted loads' destinations unhashed)
+        and remember the loads among them as copied. A fence already passed is a no-op.
+
+        Raises:
+            InvalidFenceError: `fence` is not an int in ``0 .. fence`` (the last plan's); nothing
+                changed.
+        """
+        if type(fence) is not int or not 0 <= fence <= self.fence:
+            raise InvalidFenceError(f"transfers_done({fence!r}): the fences issued are 1 .. {self.fence}")
+        if fence <= self.done_fence:
+            return
+        self.done_fence = fence
+        for f in sorted(f for f in self._fenced if f <= fence):
+            self._free(self._fenced.pop(f))
+        for load in self.loads.values():
+            if load.fence and load.fence <= fence:
+                load.copied = True
+        if self.units is not None:
+            self.units.settle()
+
+    def _free(self, held: tuple[list[KVCacheBlock], list[KVCacheBlock]]) -> None:
+        """Release the holds of `held` (one ref count per entry: a block two stores read is
+        listed twice), then, with eviction units, what the unit index dropped while they were
+        held: a released state whose unit went, a released page whose node went (both still
+        carry their hash: pruning drops only free copies), and the pages above a released one
+        that nothing below needs any more (``prune``), as ``free`` and ``HostTier.unpin`` do."""
+        pages, states = held
+        for pool, blocks in ((self.state_block_pool, states), (self.block_pool, pages)):
+            while blocks:  # free_blocks refuses a block listed twice: one batch per repeat
+                batch = list(dict.fromkeys(blocks))
+                pool.free_blocks(batch)
+                if len(batch) == len(blocks):
+                    break
+                rest = list(blocks)
+                for b in batch:
+                    rest.remove(b)
+                blocks = rest
+        units = self.units
+        if units is None:
+            return
+        nodes = units.nodes
+        lost_states = [b for b in dict.fromkeys(held[1]) if b.block_hash is not None and not b.ref_cnt
+                       and ((node := nodes.get(b.block_hash)) is None or node.unit is None)]
+        if lost_states:
+            self.state_block_pool.drop_cached(lost_states)  # type: ignore[attr-defined]  # an ArenaPool
+        lost_pages = [b for b in dict.fromkeys(held[0]) if b.block_hash is not None and not b.ref_cnt
+                      and b.block_hash not in nodes]
+        if lost_pages:
+            self.block_pool.drop_cached(lost_pages)  # type: ignore[attr-defined]
+        for b in held[0]:
+            node = nodes.get(b.block_hash) if b.block_hash is not None else None
+            if node is not None:
+                units.prune(node)
 
     # ------------------------------------------------------------------ hooks of the coordinator's calls
     def release(self, request_id: str, now: float, *, admitted_tokens: int | None = None) -> None:
@@ -254,8 +342,14 @@ class HostLink:
         elif admitted_tokens is not None and load.request.num_admissions == 1:  # counted as a first admission
             self.stats.host_hits += max(0, min(admitted_tokens, load.num_gpu_tokens + load.plan.num_tokens)
                                                      - load.num_gpu_tokens)
-        self.state_block_pool.free_blocks(load.held_states + [b for _, b in load.new_states])
-        self.block_pool.free_blocks(load.held_pages + [b for _, _, b in load.new_pages])
+        dst_pages, dst_states = [b for _, _, b in load.new_pages], [b for _, b in load.new_states]
+        if load.fence and not load.copied:  # drained, not done: its copies may still write them (the fence)
+            pages, states = self._fenced.setdefault(load.fence, ([], []))
+            pages += dst_pages
+            states += dst_states
+            dst_pages, dst_states = [], []
+        self.state_block_pool.free_blocks(load.held_states + dst_states)
+        self.block_pool.free_blocks(load.held_pages + dst_pages)
         loaded = [b for _, _, b in load.new_pages] + [b for _, b in load.new_states]
         if self.units is not None and any(not b.ref_cnt for b in load.held_pages + load.held_states + loaded):
             # a block no table holds now (aborted; or the engine admitted a shorter hit, or none):
@@ -291,8 +385,13 @@ class HostLink:
         else:
             positions = units.checkpoints(hashes)
         if positions:
-            host.store_chain(hashes, positions, now=now, retain=request.retain,
-                             prompt_tokens=request.num_prompt_tokens)
+            read = host.store_chain(hashes, positions, now=now, retain=request.retain,
+                                    prompt_tokens=request.num_prompt_tokens)
+            if read is not None and (read[0] or read[1]):  # the stores read them: held until their fence
+                self.block_pool.touch(read[0])
+                self.state_block_pool.touch(read[1])
+                self._pending[0].extend(read[0])
+                self._pending[1].extend(read[1])
 
     def store_evicted(self, unit: Unit, now: float) -> None:
         """Write-on-evict: the GPU tier is about to evict `unit`; store it with its pages."""
@@ -309,7 +408,16 @@ class HostLink:
         host.store_chain(keys, [len(keys) - 1], now=now, retain=unit.retain)
 
     def holders(self) -> list[KVCacheBlock]:
-        """Every GPU block the loads hold (for the coordinator's ref-count check)."""
-        return [b for load in self.loads.values()
-                for b in load.held_pages + load.held_states + [b for _, _, b in load.new_pages]
-                + [b for _, b in load.new_states]]
+        """Every GPU block the loads and the fences hold, once per hold (for the coordinator's
+        ref-count check)."""
+        out = [b for load in self.loads.values()
+               for b in load.held_pages + load.held_states + [b for _, _, b in load.new_pages]
+               + [b for _, b in load.new_states]]
+        for pages, states in [self._pending, *self._fenced.values()]:
+            out += pages + states
+        return out
+
+    @property
+    def num_fenced_blocks(self) -> int:
+        """GPU blocks held for copies not reported done (``transfers_done``)."""
+        return sum(len(p) + len(s) for p, s in [self._pending, *self._fenced.values()])

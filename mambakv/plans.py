@@ -14,7 +14,7 @@ All plan types are immutable named tuples. A step's plan is drained with
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, NoReturn, SupportsIndex
 
 from mambakv.core.block import KVCacheBlock
@@ -76,18 +76,45 @@ class KVCacheBlocks:
     """Blocks per KV-cache group, in config order: ``blocks[g]`` is group g's list. Frozen (a
     result is never rebound). Read the lists; to change one, copy it first: the coordinator's
     step plan (``take_step_plan``) reads the same lists for the step's new block ids, and the
-    shared empty result's lists refuse additions (``shared_empty``)."""
+    shared empty result's lists refuse additions (``shared_empty``).
+
+    ``table_appends[g]`` (``allocate``'s results): what an append-only worker table of group g
+    gains in the step, the table's new suffix beyond its length before the step, null padding
+    and relocated scratch blocks included (for a new or resumed request, its whole table, hits
+    first). ``blocks`` keeps its meaning: the blocks the step took from the pool. The worker's
+    rule: append ``table_appends[g]`` to the request's table of group g (start a new one for a
+    request it does not know or that was preempted); its table then has ``get_block_ids``'
+    length and agrees with it at every slot where ``get_block_ids`` is not null (a slot the
+    coordinator nulled, retired or relocated, is never read again)::
+
+        Mamba, block 16, nspec 1:  before [0 R S]          a chunk to 64 tokens (GROW)
+        get_block_ids after        [0 R 0 S N]             S relocated to the new running slot 3
+        blocks                     [N]                     taken from the pool
+        table_appends              [S N]                   worker: [0 R S] + [S N] = [0 R S S N]
+
+    Exact for every group kind with ``decode_checkpoints="every"`` (vLLM's rule); under
+    ``latest`` / ``none`` a decode step moves the running block down the table (ADVANCE), which
+    an append-only table cannot follow: such a worker re-reads ``get_block_ids``. Every result
+    of the coordinator sets it (a lookup's: its ``blocks``); None only in a result built without
+    it, where ``get_table_append_ids`` reads ``blocks``."""
 
     blocks: tuple[list[KVCacheBlock], ...]
+    table_appends: tuple[list[KVCacheBlock], ...] | None = field(default=None, compare=False)
 
     @classmethod
     def shared_empty(cls, num_groups: int) -> KVCacheBlocks:
         """The one empty result a coordinator hands every caller (a step that takes no block,
         a miss): its lists refuse additions (:class:`SharedEmptyList`)."""
-        return cls(tuple(SharedEmptyList() for _ in range(num_groups)))
+        empty = tuple(SharedEmptyList() for _ in range(num_groups))
+        return cls(empty, empty)
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in group] for group in self.blocks)
+
+    def get_table_append_ids(self) -> tuple[list[int], ...]:
+        """``table_appends`` as block ids (null = 0), per group (``blocks``' when None)."""
+        appends = self.blocks if self.table_appends is None else self.table_appends
+        return tuple([b.block_id for b in group] for group in appends)
 
     def __len__(self) -> int:
         return len(self.blocks)

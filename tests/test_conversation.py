@@ -17,7 +17,7 @@ from mambakv.cli import main
 from mambakv.sim import RequestSpec, load_trace, run_trace, trace_block_tokens
 from mambakv.sim.causes import CAUSES, HitCauses, hit_cause
 from mambakv.sim.conversation import ConversationReplay, Link, Relation, TraceRow, link_requests, read_trace_rows
-from mambakv.sim.results import SimRequest
+from mambakv.sim.sim_request import SimRequest
 
 TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "conversation_trace.jsonl"
 needs_trace = pytest.mark.skipif(not TRACE.exists(), reason="../shared/traces/conversation_trace.jsonl absent")

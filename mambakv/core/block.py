@@ -251,6 +251,10 @@ class FreeBlockQueue:
         blocks, once per free)."""
         self._link_run(self._tail.prev_free_block, blocks, self._tail)  # type: ignore[arg-type]
 
+    def prepend_unchecked(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """``prepend_n(blocks, checked=False)`` without the keyword (the same requeue)."""
+        self._link_run(self._head, blocks, self._head.next_free_block)  # type: ignore[arg-type]
+
     def insert_before(self, node: KVCacheBlock, blocks: Sequence[KVCacheBlock]) -> None:
         """Put `blocks`, in order, right before `node` (a queued block, or the tail sentinel).
 

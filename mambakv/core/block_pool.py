@@ -311,6 +311,8 @@ def checked_block_ids(block_ids: Iterable[int], num_blocks: int) -> list[int]:
 
 
 _POOL_IDS = itertools.count()
+#: an empty run of blocks (a requeue with nothing on one side)
+_NO_BLOCKS: list[KVCacheBlock] = []
 
 #: the most blocks a pool may have: block ids are int32 on the device (block tables, state
 #: indices), and -1 marks a null entry there
@@ -567,6 +569,22 @@ class BlockPool:
         """
         if type(blocks) is not list:
             blocks = list(blocks)
+        if len(blocks) == 1:  # one block (a decode step's, a prefill chunk's old state): no lists
+            block = blocks[0]
+            ref_cnt = block.ref_cnt - 1
+            if block.pool_id != self.pool_id:
+                undo_free(blocks, block, self.pool_id)
+            if block.is_null:
+                return
+            if ref_cnt < 0:
+                undo_free(blocks, block, self.pool_id)
+            block.ref_cnt = ref_cnt
+            if ref_cnt == 0:
+                if block.block_hash is None:
+                    self._requeue(blocks, _NO_BLOCKS)
+                else:
+                    self._requeue(_NO_BLOCKS, blocks)
+            return
         if self.null_block in blocks:  # a C-level identity scan; filter only when needed
             blocks = [b for b in blocks if not b.is_null]
         if len(blocks) > 1 and len(set(blocks)) != len(blocks):  # identity hashing: one C pass
@@ -592,10 +610,11 @@ class BlockPool:
         """Queue the blocks ``free_blocks`` brought to ref count 0 (a subclass may note them).
         None is queued (ref counts were >= 1, blocks distinct): skip the queue's per-block check,
         about 10% of a bulk free."""
+        q = self.free_block_queue
         if unhashed:
-            self.free_block_queue.prepend_n(unhashed, checked=False)
+            q.prepend_unchecked(unhashed)
         if hashed:
-            self.free_block_queue.append_unchecked(hashed)
+            q.append_unchecked(hashed)
 
     # ------------------------------------------------------------------ prefix cache
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes], kv_cache_group_id: int, *,

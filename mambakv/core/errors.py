@@ -87,6 +87,11 @@ class LoadPendingError(MambaKVError, RuntimeError):
     load was completed / aborted that is not in flight (``complete_load``, ``abort_load``)."""
 
 
+class InvalidFenceError(MambaKVError, ValueError):
+    """``transfers_done`` with a fence no ``take_transfer_plan`` issued (not an int, negative,
+    or above the last plan's)."""
+
+
 class ReadOnlyResultError(MambaKVError, TypeError):
     """A change to a result every caller shares: the empty ``KVCacheBlocks`` that ``allocate``
     returns for a step that takes no block and ``get_computed_blocks`` for a miss (copy its

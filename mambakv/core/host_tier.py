@@ -142,16 +142,18 @@ class HostTier:
 
     # ------------------------------------------------------------------ stores
     def store_chain(self, hashes: Sequence[bytes], positions: Sequence[int], *, now: float,
-                    retain: Retention = NORMAL_RETENTION, prompt_tokens: int = 0) -> bool:
+                    retain: Retention = NORMAL_RETENTION,
+                    prompt_tokens: int = 0) -> tuple[list[KVCacheBlock], list[KVCacheBlock]] | None:
         """Plan the stores that put the checkpoints at page indices `positions` of the chain
         `hashes` (GPU-cached up to the deepest one) in the host tier, with the pages up to them;
         what the host has already is skipped. Host units may be evicted to make room; the
         deepest page the host already holds is pinned meanwhile, which keeps every page above it
-        (pruning climbs from a leaf). Returns False when nothing could be stored (no room: every
-        host block pinned, or a chain larger than the budget)."""
+        (pruning climbs from a leaf). Returns ``(GPU pages, GPU states)`` the planned stores read
+        (both empty when the host has everything already), or None when nothing could be stored
+        (no room: every host block pinned, or a chain larger than the budget)."""
         positions = sorted(i for i in positions if not self.host_state(hashes[i]))
         if not positions:
-            return True
+            return [], []
         upto = positions[-1] + 1
         arena = self.arena
         host_maps, gpu_pmaps = arena.pages.cached_block_hash_to_block, self.gpu_pages.cached_block_hash_to_block
@@ -171,7 +173,7 @@ class HostTier:
             arena.pages.free_blocks(pinned)  # type: ignore[arg-type]
             self.settle()
             self.stats.skipped_stores += 1
-            return False
+            return None
         g = self.geometry
         page_dsts = [arena.pages.get_new_blocks(len(col)) for col in sources]
         slot_dsts = [arena.slots.get_new_blocks(len(col)) for col in states]
@@ -202,7 +204,7 @@ class HostTier:
         s.stored_pages += num_pages
         s.stored_states += num_slots
         s.bytes_d2h += num_pages * g.page_bytes + num_slots * g.state_bytes
-        return True
+        return [b for col in sources for b in col], [b for col in states for b in col]  # type: ignore[misc]
 
     def _drop_stale_stores(self, page_dsts: list[list[KVCacheBlock]], slot_dsts: list[list[KVCacheBlock]]) -> None:
         """Pending stores into host memory this store reuses wrote a unit evicted before the plan

@@ -9,11 +9,24 @@ a transfer is ``(src_tier, src_block, dst_tier, dst_block)`` plus its kind, grou
                          Transfer(GPU, 5, HOST, 9, 39518208, STATE, 1)),  to host page 3, ...
                  loads=(LoadPlan("r7", (Transfer(HOST, 3, GPU, 40, ...), ...), 65536, 64),))
 
-Order (the contract an engine follows; one side stream is enough): run a plan's ``stores``
-before anything of the same step writes GPU memory (its copies and its forward: a store may read
-a block this step's allocation just evicted), then its ``loads``; run plans in the order they were
-taken. A load's destination blocks are held for its request; call
-``KVCacheCoordinator.complete_load(request_id)`` when its copies are done (or ``abort_load``).
+Order (the contract an engine follows; one side stream is enough): run plans in the order they
+were taken, a plan's ``stores`` before its ``loads``. A load's destination blocks are held for its
+request; call ``KVCacheCoordinator.complete_load(request_id)`` when its copies are done.
+
+**The fence.** Each non-empty plan carries a ``fence`` number (1, 2, ...). The GPU blocks its
+copies read or write stay out of the free queue until the engine reports them done with
+``KVCacheCoordinator.transfers_done(plan.fence)`` (every plan up to that fence), so a copy that
+lands late never writes a block another request holds, nor reads one it rewrote::
+
+    step 5   take_transfer_plan() -> fence 3: store GPU page 17 -> host 3; load host 9 -> GPU 40 (r7)
+    step 5   free("r7")              GPU 40 is not freed: fence 3 holds it (its copy may be running)
+             free("q")               its pages were read by fence 3's stores: held, not reusable
+    step 6   the side stream's event for fence 3 completed -> transfers_done(3): 40 and 17 free
+
+On one stream, copies ordered before the step's forward, call ``transfers_done(plan.fence)``
+right after enqueueing them. With ``HostWrite.EVICT`` a store reads blocks the evicting step
+hands to another request at once: those stores must finish before that step writes GPU memory
+(run them first on its stream, or wait for them); the fence holds nothing for them.
 """
 
 from __future__ import annotations
@@ -70,10 +83,12 @@ class LoadPlan(NamedTuple):
 
 class TransferPlan(NamedTuple):
     """A step's transfers (``take_transfer_plan()``): stores (GPU -> HOST) first, then the loads
-    started since the last drain, per request."""
+    started since the last drain, per request; `fence`: the number to pass to
+    ``transfers_done`` once they ran (0 for the empty plan, which needs none)."""
 
     stores: tuple[Transfer, ...]
     loads: tuple[LoadPlan, ...]
+    fence: int = 0
 
     @property
     def bytes_d2h(self) -> int:

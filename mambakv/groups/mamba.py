@@ -353,10 +353,10 @@ class MambaManager(SingleTypeKVCacheManager):
         # scheduling, optimistic under async
         r, real_end = t.running_slot, num_tokens - num_draft_tokens
         for col, m in zip(t.columns, self._column_managers):
-            w = m._writes
-            w.append((request_id, col[r].block_id, real_end))
-            for k in range(num_draft_tokens):
-                w.append((request_id, col[r + 1 + k].block_id, real_end + k + 1))
+            m._writes.append((request_id, col[r].block_id, real_end))
+            if num_draft_tokens:
+                m._writes.extend([(request_id, col[r + 1 + k].block_id, real_end + k + 1)
+                                  for k in range(num_draft_tokens)])
         return out
 
     def _start(self, t: MambaTable, running: int, num_tokens: int, drafts: int) -> list[list[KVCacheBlock]]:
@@ -517,9 +517,18 @@ class MambaManager(SingleTypeKVCacheManager):
         nothing is retired), ``retire_slots``, ``settle``.
 
         Raises (nothing changed): as ``dead_slots``; InvalidRequestError for a follower."""
-        if self.is_follower and request_id in self._tables:
+        t = self._tables.get(request_id)
+        if t is None or num_processed_tokens < 0:
+            if num_processed_tokens < 0:
+                raise InvalidTokenCountError(f"num_processed_tokens must be >= 0, got {num_processed_tokens}")
+            return
+        if self.is_follower:
             self._check_leader()
-        super().remove_skipped_blocks(request_id, num_processed_tokens)
+        num_slots = self.dead_slots(t, num_processed_tokens)
+        if num_slots > t.retired_below:
+            self.retire_slots(t, num_slots)
+        if t.verified or t.decode_steps:
+            self.settle(t, num_processed_tokens)
 
     def dead_slots(self, table: BlockTable, num_processed_tokens: int) -> int:
         """Slots below ``(n - 1) // bs`` (only the last state matters), plus: the state of a
@@ -565,14 +574,15 @@ class MambaManager(SingleTypeKVCacheManager):
         free for all columns (deepest first, null gaps skipped), then the slots are nulled and
         the watermark moves; all or nothing."""
         t: MambaTable = table  # type: ignore[assignment]
-        stop = min(num_slots, len(t.blocks))
+        n = len(t.blocks)
+        stop = num_slots if num_slots < n else n
         if stop <= t.retired_below:
             return
         null = self.null_block
         # Every column has column 0's null pattern (check_invariants): scan one, gather from all.
         real = real_slots(t.blocks, t.retired_below, stop, null)  # deepest first
         if real:
-            freed = []
+            freed = []  # a loop, not a comprehension: this runs once per chunk of every long prefill
             for col in t.columns:
                 for i in real:
                     freed.append(col[i])

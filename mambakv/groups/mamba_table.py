@@ -175,16 +175,16 @@ def relocate_scratch_blocks(t: MambaTable, running: int, nspec: int, null: KVCac
 
     The column then lacks exactly its last scratch block. Slices, not a loop over slots: this runs
     once per chunk of every long prefill."""
-    pad_to_running_slot(t, running, null)
     lo = t.running_slot + 1
-    stop = min(running, lo + nspec)
-    if stop <= lo:
-        return
-    gap = [null] * (stop - lo)
-    for col in t.columns:
-        moved = col[lo:stop]
-        col[lo:stop] = gap
-        col += moved
+    stop = lo + nspec if lo + nspec < running else running
+    gap = [null] * (stop - lo) if stop > lo else None
+    for col in t.columns:  # pad_to_running_slot and the move in one pass per column
+        if len(col) < running:
+            col += [null] * (running - len(col))
+        if gap is not None:
+            moved = col[lo:stop]
+            col[lo:stop] = gap
+            col += moved
 
 
 def move_running(t: MambaTable, running: int, null: KVCacheBlock) -> None:

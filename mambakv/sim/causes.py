@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 from mambakv.core.errors import MambaKVError
 from mambakv.sim.conversation import Link, Relation
-from mambakv.sim.results import SimRequest
+from mambakv.sim.sim_request import SimRequest
 from mambakv.sim.workloads import TRACE_BLOCK_TOKENS, RequestSpec
 
 __all__ = ["CAUSES", "HitCauses", "hit_cause"]

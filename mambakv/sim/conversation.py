@@ -57,7 +57,7 @@ from pathlib import Path
 import numpy as np
 
 from mambakv.core.errors import MambaKVError, TraceFormatError
-from mambakv.sim.results import SimRequest
+from mambakv.sim.sim_request import SimRequest
 from mambakv.sim.workloads import TRACE_BLOCK_TOKENS, RequestSpec, iter_trace_rows
 
 __all__ = ["REPLAY_MODES", "ConversationReplay", "chain_hooks", "oracle_retention", "prepare_replay", "Link", "Relation", "TraceRow", "link_requests",

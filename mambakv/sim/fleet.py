@@ -40,10 +40,10 @@ from mambakv.core.errors import InvalidSpecError, MambaKVError
 from mambakv.events.announce import RouterAnnouncer
 from mambakv.groups import group_block_hashes
 from mambakv.sim.conversation import REPLAY_MODES, chain_hooks, prepare_replay
-from mambakv.sim.results import SimRequest
 from mambakv.sim.router import DEFAULT_LOAD_BOUND, ROUTERS, DynamoIndex, PrefixIndex, RouterKind, choose, least_loaded
 from mambakv.sim.runner import DEFAULT_MODEL, build_coordinator
 from mambakv.sim.scheduler import Scheduler
+from mambakv.sim.sim_request import SimRequest
 from mambakv.sim.workloads import RequestSpec, load_trace
 
 __all__ = ["INDEXES", "Fleet", "FleetResult", "percentile", "run_fleet"]

@@ -22,9 +22,9 @@ import numpy as np
 
 from mambakv.coordinator import KVCacheCoordinator
 from mambakv.core.spec import KVCacheConfig, KVCacheGroupSpec, MambaSpec
-from mambakv.sim.results import SimRequest
 from mambakv.sim.runner import MAMBA_POLICIES
 from mambakv.sim.scheduler import Scheduler
+from mambakv.sim.sim_request import SimRequest
 from mambakv.sim.workloads import DEFAULT_VOCAB, RequestSpec, fixed_prompt
 
 __all__ = ["reuse_conversations", "run_reuse"]

@@ -5,12 +5,19 @@ superblocks the page pool has 13 usable pages (superblock 0: the null page + 1) 
 turns superblocks into pages or one state slot each as needed.
 Host: ``HostTierSpec(memory_bytes)`` holds ``memory_bytes // 256`` superblocks of the same
 shape (its page 0 and slot 0 null).
+
+The engine's transfer steps (mambakv/core/transfers.py, "The fence"): ``drain()`` takes the
+step's transfer plan, "runs" its copies (nothing to copy here: no device memory) and reports them
+done with ``transfers_done(plan.fence)``, as an engine on one stream would right after enqueueing
+them; until then the GPU blocks a write-through store reads (and an aborted load's destinations)
+are held. ``abcd`` / ``evict_b`` drain after every request, as the engine's next step would.
 """
 
 from __future__ import annotations
 
 from mambakv import KVCacheCoordinator, Request
 from mambakv.core.host_tier import HostTierSpec
+from mambakv.core.transfers import TransferPlan
 from tests.eviction.test_units import A, B, C, D, E, config
 from tests.property.fuzz_checks import in_use, snapshot
 
@@ -43,6 +50,21 @@ class HostHarness:
         return h
 
     # ------------------------------------------------------------------ the engine's calls
+    def drain(self) -> TransferPlan:
+        """One step's transfers on one stream: take the plan, run its copies, report them done
+        (``transfers_done(plan.fence)``; fence 0 for the empty plan: a no-op);
+        ``check_invariants()`` after each call. Returns the plan."""
+        coord = self.coord
+        plan = coord.take_transfer_plan()
+        coord.check_invariants()
+        self.land(plan)
+        return plan
+
+    def land(self, plan: TransferPlan) -> None:
+        """The device finished `plan`'s copies (and every earlier plan's): ``transfers_done``."""
+        self.coord.transfers_done(plan.fence)
+        self.coord.check_invariants()
+
     def prefill(self, rid: str, toks: list[int], now: float, *, request: Request | None = None,
                 free: bool = False) -> tuple[Request, int]:
         """Look up (tier-unaware), admit and prefill `toks` in 64-token chunks, retiring after
@@ -76,18 +98,21 @@ class HostHarness:
         return self.prefill(rid, toks, now, request=request, free=True)[1]
 
     def abcd(self) -> None:
-        assert self.run("A", A, 0.0) == 0
-        assert self.run("B", B, 10.0) == 12
-        assert self.run("C", C, 20.0) == 0
-        assert self.run("D", D, 30.0) == 0
+        """A, B, C, D in turn, each freed, its stores drained and landed (the next step's plan)."""
+        for rid, toks, now, hit in (("A", A, 0.0, 0), ("B", B, 10.0, 12), ("C", C, 20.0, 0), ("D", D, 30.0, 0)):
+            assert self.run(rid, toks, now) == hit
+            self.drain()
 
     def evict_b(self) -> None:
         """A..D then E: the GPU evicts B's unit (pages 3, 4 and the state at page 4), the oldest
-        leaf (tests/eviction/test_units.py::test_lru_evicts_oldest_leaf_then_parent_becomes_leaf)."""
+        leaf (tests/eviction/test_units.py::test_lru_evicts_oldest_leaf_then_parent_becomes_leaf).
+        E's stores (write-through; write 'evict': B's unit's) are drained and landed too: no
+        transfer is left in flight and the fence holds nothing."""
         self.abcd()
         before = self.coord.units.stats.evictions
         assert self.run("E", E, 40.0) == 0
         assert self.coord.units.stats.evictions == before + 1
+        self.drain()
 
     # ------------------------------------------------------------------ queries
     def gpu_hit(self, toks: list[int]) -> int:

@@ -51,6 +51,11 @@ def test_unified_host_hit():
     # write-through: 3 pages + the state at page 2, 256 B each
     assert sorted((t.kind.value, t.num_bytes) for t in plan.stores) == [("page", UB)] * 3 + [("state", UB)]
     assert plan.bytes_d2h == 4 * UB
+    # the stores held their 4 GPU sources since a's free (15 - 4 = 11 free) until they ran
+    assert coord.block_pool.get_num_free_blocks() == 11
+    coord.transfers_done(plan.fence)
+    coord.check_invariants()
+    assert coord.block_pool.get_num_free_blocks() == 15
     # drop a's blocks from the GPU (every cached block id: the null block 0 excluded)
     coord.block_pool.evict_blocks(list(range(1, 16)))
     coord.check_invariants()
@@ -66,6 +71,12 @@ def test_unified_host_hit():
     coord.check_invariants()
     assert run(coord, "a2", nxt, 2.0, request=req) == 12
     assert coord.prefix_cache_stats.host_hits == 12
+    # a2 (16 tokens, prefilled whole) leaves a checkpoint at page 3 (16 tokens); the host has
+    # pages 0..2 only, so its free stores page 3 and that state: 2 blocks held by the next plan
+    # until it lands (15 - 2 = 13 free), then all 15
+    assert coord.block_pool.get_num_free_blocks() == 13
+    plan = HostHarness.over(coord).drain()
+    assert sorted((t.kind.value, t.num_bytes) for t in plan.stores) == [("page", UB), ("state", UB)]
     assert coord.block_pool.get_num_free_blocks() == 15
 
 
@@ -130,6 +141,8 @@ def test_bytes_survive_store_evict_load(write):
             src = page_bytes(lay, t.src_block) if t.kind is PAGE else state_bytes(lay, t.src_block)
             originals[(t.kind, t.dst_block)] = [x.clone() for x in src]
         assert host.run(plan) == plan.bytes_d2h
+        c.transfers_done(plan.fence)  # the copies ran: their GPU sources may be reused now
+        c.check_invariants()
         stored.extend(plan.stores)
 
     h.run("A", h_A := list(range(1, 14)), 0.0)
@@ -155,6 +168,7 @@ def test_bytes_survive_store_evict_load(write):
     assert plan.loads == (hit.load,)
     assert host.run(TransferPlan((), plan.loads)) == 2 * 128 + 176
     c.complete_load("B2")
+    c.transfers_done(plan.fence)
     c.check_invariants()
     # every loaded block holds, byte for byte, what its host source was stored from
     for t in hit.load.transfers:
@@ -165,6 +179,9 @@ def test_bytes_survive_store_evict_load(write):
     host.check_invariants()
     c.free("B2", now=51.0)
     c.check_invariants()
+    # through: B2's free stores its checkpoint at page 5 (24 tokens) with page 5, held until
+    # that plan ran; evict: nothing (an empty plan)
+    drain_stores()
     h.nothing_held()
 
 

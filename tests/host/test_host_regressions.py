@@ -18,8 +18,7 @@ def test_completed_load_is_not_handed_out_again():
     # successful reset_prefix_cache (which does clear the queued stores).
     h = HostHarness()
     c = h.coord
-    h.evict_b()
-    c.take_transfer_plan()
+    h.evict_b()  # E's stores drained and landed
     hit = c.get_computed_blocks_tiered(Request("B2", B2), now=50.0)
     assert hit.load is not None  # the engine runs these copies itself
     c.complete_load("B2")
@@ -30,8 +29,7 @@ def test_completed_load_is_not_handed_out_again():
 def test_reset_after_a_released_load_leaves_no_plan():
     h = HostHarness()
     c = h.coord
-    h.evict_b()
-    c.take_transfer_plan()
+    h.evict_b()  # E's stores drained and landed
     c.get_computed_blocks_tiered(Request("B2", B2), now=50.0)
     c.complete_load("B2")
     c.free("B2", now=51.0)
@@ -142,7 +140,11 @@ def test_unpin_after_the_host_lost_the_loaded_unit():
                                ((1, 1) + (1,) * 22, (1, 2) + (1,) * 22)))
     steps = [("add", dict(cut=7, max_tokens=1, src=1, tail=[])), ("admit", dict(chunk=4, i=0)),
              ("add", dict(cut=7, max_tokens=1, src=0, tail=[])), ("admit", dict(chunk=6, i=0)),
-             ("finish", dict(i=1, preempt=True)), ("add", dict(cut=0, max_tokens=1, src=0, tail=[1, 1, 1])),
+             ("finish", dict(i=1, preempt=True)),
+             # the engine's next step runs the preempted request's write-through stores, which
+             # hold its GPU blocks until they land (the fence)
+             ("drain_plan", {}), ("land", dict(every=True, probe=1)),
+             ("add", dict(cut=0, max_tokens=1, src=0, tail=[1, 1, 1])),
              ("admit", dict(chunk=4, i=0)), ("admit", dict(chunk=4, i=0)),
              ("add", dict(cut=0, max_tokens=1, src=0, tail=[])), ("add", dict(cut=7, max_tokens=1, src=0, tail=[])),
              ("admit", dict(chunk=4, i=0)), ("tiered", dict(i=0))]
@@ -162,8 +164,7 @@ def test_host_hits_count_only_at_a_first_admission():
     # would count tokens hits never had; hit_rate_gpu could go below zero).
     h = HostHarness()
     c = h.coord
-    h.evict_b()
-    c.take_transfer_plan()
+    h.evict_b()  # E's stores drained and landed
     hits0 = c.prefix_cache_stats.hits  # B's 12 tokens earlier
     req = Request("B2", B2, max_tokens=1)
     blocks, n = c.get_computed_blocks(req)
@@ -192,8 +193,7 @@ def test_preempt_all_aborts_loads_so_reset_succeeds(complete):
     # before the fix preempt_all left it, and the reset returned False.
     h = HostHarness()
     c = h.coord
-    h.evict_b()
-    c.take_transfer_plan()
+    h.evict_b()  # E's stores drained and landed
     hit = c.get_computed_blocks_tiered(Request("B2", B2), now=50.0)
     assert hit.load is not None
     if complete:

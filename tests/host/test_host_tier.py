@@ -15,6 +15,7 @@ from mambakv.core.errors import InvalidSpecError, LoadPendingError
 from mambakv.core.host_tier import HostTierSpec
 from mambakv.core.transfers import BlockKind, Tier
 from tests.host.harness import B2, SB, A, B, C, E, HostHarness, full_snapshot
+from tests.property.fuzz_checks import in_use
 
 PAGE, STATE = BlockKind.PAGE, BlockKind.STATE
 
@@ -35,6 +36,8 @@ def test_write_through_stores_a_freed_chain_once():
     assert len({t.src_block for t in plan.stores if t.kind is PAGE}) == 3  # three distinct GPU pages
     s = c.host.stats
     assert (s.stores, s.stored_pages, s.stored_states, s.bytes_d2h) == (1, 3, 1, 560)
+    assert plan.fence == 1
+    h.land(plan)  # the engine ran the copies
     assert not c.take_transfer_plan()  # drained
     # the same prefix again: GPU hit 12, the host has the checkpoint already: nothing new
     assert h.run("A2", A, 1.0) == 12
@@ -45,7 +48,9 @@ def test_write_through_stores_a_freed_chain_once():
     plan = c.take_transfer_plan()
     assert sorted(kinds_bytes(plan.stores)) == sorted([("gpu", "host", "page", 128)] * 2 + [("gpu", "host", "state", 176)])
     assert plan.bytes_d2h == 432 and (s.stores, s.stored_pages, s.stored_states, s.bytes_d2h) == (2, 5, 2, 992)
-    c.check_invariants()
+    assert plan.fence == 2
+    h.land(plan)
+    h.nothing_held()
 
 
 def test_write_evict_stores_at_gpu_eviction_only():
@@ -63,6 +68,11 @@ def test_write_evict_stores_at_gpu_eviction_only():
     s = c.host.stats
     assert (s.stores, s.stored_pages, s.stored_states) == (1, 5, 1)
     c.check_invariants()
+    # write 'evict': the stores read blocks E took at once; the fence holds none of them (they
+    # must run before E's forward), so nothing is held once E is freed, landed or not
+    h.nothing_held()
+    h.land(plan)
+    h.nothing_held()
 
 
 
@@ -72,7 +82,6 @@ def test_host_hit_load_complete_admit(write):
     h = HostHarness(write=write)
     c = h.coord
     h.evict_b()
-    c.take_transfer_plan()
     # GPU: A's state at page 2 survives (12 tokens); B's pages 3, 4 and state at page 4 are gone
     assert h.gpu_hit(B2) == 12
     # after E everything is free: 13 usable pages, 5 slot superblocks (test_units' count)
@@ -120,6 +129,15 @@ def test_host_hit_load_complete_admit(write):
     assert c.prefix_cache_stats.host_hits - hits_before == 8  # of the 20 hit tokens, 8 came from the host
     c.free("B2", now=53.0)
     c.check_invariants()
+    # write-through: B2's free stores its new checkpoint, page 5 and the state at page 5 (24
+    # tokens; the host has pages 0..4): 1 GPU page and 1 slot held until that plan lands.
+    # write 'evict': the free stores nothing, but B2's prefill (page 5 and a state) evicted
+    # another 13-token unit (the load's room-making took C's already), stored with its 3 pages
+    # and its state (3 * 128 + 176 = 560 B); the fence holds none of it
+    held = (1, 1) if write == "through" else (0, 0)
+    assert (in_use(c.block_pool), in_use(c.state_block_pool)) == held
+    plan = h.drain()
+    assert plan.bytes_d2h == (128 + 176 if write == "through" else 3 * 128 + 176)
     h.nothing_held()
     assert h.gpu_hit(B2) == 24  # B2 left its own checkpoint at (26 - 1) // 4 * 4 = 24
 
@@ -128,7 +146,6 @@ def test_abort_load_restores_both_tiers_and_retry_works():
     h = HostHarness()
     c = h.coord
     h.evict_b()
-    c.take_transfer_plan()
     free0 = h.free_counts()
     req = Request("B2", B2)
     hit = c.get_computed_blocks_tiered(req, now=50.0)
@@ -151,6 +168,10 @@ def test_abort_load_restores_both_tiers_and_retry_works():
     assert got == 20 and c.prefix_cache_stats.host_hits == 8
     c.free("B2", now=53.0)
     c.check_invariants()
+    # B2's free stores page 5 and its state at 24 tokens (write-through): held until the next
+    # plan lands (1 page, 1 slot)
+    assert (in_use(c.block_pool), in_use(c.state_block_pool)) == (1, 1)
+    assert h.drain().bytes_d2h == 128 + 176
     h.nothing_held()
 
 
@@ -174,7 +195,6 @@ def test_free_after_complete_releases_the_hold_and_keeps_the_gpu_hit():
     h = HostHarness()
     c = h.coord
     h.evict_b()
-    c.take_transfer_plan()
     free0 = h.free_counts()
     c.get_computed_blocks_tiered(Request("B2", B2), now=50.0)
     c.complete_load("B2")
@@ -194,7 +214,6 @@ def test_no_gpu_room_means_no_load_and_nothing_changed():
     h = HostHarness()
     c = h.coord
     h.evict_b()
-    c.take_transfer_plan()
     # X: 64 unique tokens prefilled in one chunk and kept running: 16 pages (superblock 0's page +
     # 8 page superblocks, one page spare) and 2 state slots (2 superblocks): 1 + 8 + 2 = 11 of 12.
     # What is left (1 spare page + 1 superblock) cannot hold A's 3 pages and a state, so the GPU
@@ -210,6 +229,12 @@ def test_no_gpu_room_means_no_load_and_nothing_changed():
     assert c.host.units.stats.evictions == 0
     c.free("X", now=51.0)
     c.check_invariants()
+    # X's stores read all 16 of its pages and both its states: held until they ran, so the GPU
+    # has room for a load only once the plan landed (the next step's)
+    assert (in_use(c.block_pool), in_use(c.state_block_pool)) == (16, 2)
+    plan = h.drain()
+    assert plan.bytes_d2h == 16 * 128 + 2 * 176
+    assert (in_use(c.block_pool), in_use(c.state_block_pool)) == (0, 0)
     # X's write-through store: X was prefilled in chunks 0..60 (the replay boundary
     # (64 - 1) // 4 * 4) and 60..64, so its chain has 16 pages and states at pages 14 and 15. The
     # host (20 superblocks) holds A..E: 14 pages in 8 page superblocks (superblock 0's page + 7 x 2,
@@ -259,6 +284,10 @@ def test_host_evicts_units_to_make_room():
     assert plan.bytes_d2h == 3 * 128 + 176
     # the stats count what is left to run: A's 3 page stores and its state store were dropped
     assert c.host.stats.bytes_d2h == 3 * 128 + 176 and c.host.stats.dropped_stores == 4
+    # until the plan lands the fence holds C's sources (3 pages, 1 state) and A's (3 pages, 1
+    # state: held from A's free, released with the plan even though their stores were dropped)
+    assert (in_use(c.block_pool), in_use(c.state_block_pool)) == (6, 2)
+    h.land(plan)
     h.nothing_held()
 
 
@@ -267,11 +296,13 @@ def test_reset_prefix_cache_clears_host_and_is_refused_during_a_load():
     c = h.coord
     h.evict_b()
     c.get_computed_blocks_tiered(Request("B2", B2), now=50.0)
-    assert len(c.take_transfer_plan().loads) == 1  # the engine takes the load to run it
+    plan = c.take_transfer_plan()
+    assert len(plan.loads) == 1  # the engine takes the load to run it
     before = full_snapshot(c)
     assert c.reset_prefix_cache() is False  # a load in flight: refused, nothing changed
     assert full_snapshot(c) == before
     c.complete_load("B2")
+    h.land(plan)
     assert c.reset_prefix_cache() is False  # the completed load still holds its GPU blocks
     c.free("B2", now=51.0)
     assert c.reset_prefix_cache() is True

@@ -54,7 +54,8 @@ def unified_pinned_after_eviction() -> tuple[KVCacheCoordinator, HostHarness, li
 
     * B (23 tokens) is freed: the GPU caches pages p0..p4 (blocks 1..5) and the state at p4;
       write-through stores them: host pages p0..p4 + the state at p4, unit U(p4) (the only
-      unit and leaf), 6 of 7 host blocks: 6 * 256 = 1536 B.
+      unit and leaf), 6 of 7 host blocks: 6 * 256 = 1536 B. The plan runs and lands
+      (``transfers_done``): the fence releases the 6 GPU sources.
     * GPU page p4 is lost (``evict_blocks``): the GPU keeps p0..p3 and the state at p4, so its
       own hit for B2 is 0 (no state at p0..p3).
     * B2 (26 tokens, cap 6 pages): the deepest hit over both tiers is 5 pages (the state at p4
@@ -64,7 +65,8 @@ def unified_pinned_after_eviction() -> tuple[KVCacheCoordinator, HostHarness, li
       host evicts its only leaf, U(p4). Its state goes (X's state takes that slot), pruning
       stops at once at the pinned p4: host nodes p0..p4 of B's chain with no unit (p0..p3
       free, p4 pinned) and X's U(p0). The invariants must hold (before the fix: "a free cached
-      page at 0 past its chain's deepest checkpoint").
+      page at 0 past its chain's deepest checkpoint"). X's stores (1 page + 1 state) are not
+      drained yet: the fence holds their 2 GPU sources.
 
     Returns (coordinator, harness, B2's chain hashes, the pinned host page p4), B2's load in flight.
     """
@@ -73,7 +75,7 @@ def unified_pinned_after_eviction() -> tuple[KVCacheCoordinator, HostHarness, li
     host = coord.host
     keys = chain_keys(B2)
     assert h.run("B", B, 0.0) == 0
-    assert coord.take_transfer_plan().bytes_d2h == 6 * UB
+    assert h.drain().bytes_d2h == 6 * UB
     assert host_nodes(coord) == [(0, False), (1, False), (2, False), (3, False), (4, True)]
 
     coord.block_pool.evict_blocks([gpu_page(coord, keys[4]).block_id])
@@ -98,7 +100,9 @@ def unified_pinned_after_eviction() -> tuple[KVCacheCoordinator, HostHarness, li
 def test_unified_load_pins_a_page_of_an_evicted_host_unit(how):
     """``unified_pinned_after_eviction``, then the load ends: unpinning p4 prunes p4, p3, p2,
     p1, p0 (5 host pages); the host keeps X's unit only. Completed: B2's GPU hit is 20 tokens
-    (p0..p3 and the state kept, p4 loaded); aborted: 0 (the destination was never published)."""
+    (p0..p3 and the state kept, p4 loaded); aborted: 0 (the destination was never published).
+    B2's load was never drained (complete: done; aborted: dropped), so the last plan holds X's
+    stores only (1 page + 1 state, 2 * 256 B), whose GPU sources stay held until it lands."""
     coord, h, keys, host_p4 = unified_pinned_after_eviction()
     host = coord.host
     end_load(coord, "B2", how)
@@ -108,6 +112,9 @@ def test_unified_load_pins_a_page_of_an_evicted_host_unit(how):
     assert h.gpu_hit(B2) == (20 if how == "complete" else 0)
     coord.free("B2", now=3.0)
     coord.check_invariants()
+    assert in_use(coord.block_pool) == 2  # X's page and state (one pool: unified)
+    plan = h.drain()
+    assert plan.loads == () and plan.bytes_d2h == 2 * UB
     h.nothing_held()
 
 
@@ -127,7 +134,8 @@ def test_decoupled_load_pins_a_page_of_an_evicted_host_unit(how):
     """The decoupled harness (tests/host/harness.py), host of 5 superblocks (k = 2 pages).
 
     * B (23 tokens) is freed: the GPU and the host hold U(p4): pages p0..p4 and the state at
-      p4. Host superblocks: 0 (null + p0), two of pages (p1..p4), one slot; one FREE.
+      p4. Host superblocks: 0 (null + p0), two of pages (p1..p4), one slot; one FREE. The
+      stores run and land (``transfers_done``): the fence releases B's GPU blocks.
     * GPU p4 is lost (``evict_blocks``): the GPU's tree breaks at p4, U(p4) goes, p0..p3 are
       pruned: the GPU caches nothing of B.
     * B2 loads all of B's chain from the host (GPU 0, host 20 tokens) and completes: its GPU
@@ -144,12 +152,15 @@ def test_decoupled_load_pins_a_page_of_an_evicted_host_unit(how):
     * B3's load ends: unpinning p4 prunes p4..p0; the host keeps X's unit only. Completed and
       freed, B3's chain joins the GPU units (U(p4): a 20-token GPU hit); aborted, its GPU part
       has no state left on a whole chain (p4 was never published): a GPU hit of 0.
+    * The last plan holds X's stores only (B2's and B3's loads were never drained: the engine
+      ran them itself): 128 + 176 B; their GPU page and slot stay held until it lands.
     """
     h = HostHarness(host_superblocks=5)
     c = h.coord
     host = c.host
     keys = chain_keys(B2)
     assert h.run("B", B, 0.0) == 0
+    assert h.drain().bytes_d2h == 5 * 128 + 176
     assert host_nodes(c) == [(0, False), (1, False), (2, False), (3, False), (4, True)]
 
     c.block_pool.evict_blocks([gpu_page(c, keys[4]).block_id])
@@ -182,5 +193,8 @@ def test_decoupled_load_pins_a_page_of_an_evicted_host_unit(how):
     assert host.pins == {} and not in_use(host.arena.pages) and not in_use(host.arena.slots)
     c.free("B3", now=5.0)
     c.check_invariants()
+    assert (in_use(c.block_pool), in_use(c.state_block_pool)) == (1, 1)  # X's page and state
+    plan = h.drain()
+    assert plan.loads == () and plan.bytes_d2h == 128 + 176
     h.nothing_held()
     assert h.gpu_hit(B2) == (20 if how == "complete" else 0)

@@ -11,10 +11,17 @@ and the unified one (``through``), full attention + align-mode Mamba groups of o
 GPU pool where one request always fits, and a host budget of a few superblocks (host stores are
 skipped and host units evicted all the time).
 
+The device is asynchronous (mambakv/core/transfers.py, "The fence"): a drained plan joins a
+list of plans in flight, and a later rule lands the oldest one (or all) with
+``transfers_done(fence)``; meanwhile requests are freed, loads aborted and blocks allocated.
+
 After every rule: the library's ``check_invariants()`` and this file's own checks (a failed or
-refused call changed nothing; no host block pinned without a load in flight; no GPU block held
-without a request or a load). At the end of every example everything is freed and both tiers
-must be empty of holders. ``MAMBAKV_FUZZ=deep`` selects the long profile.
+refused call changed nothing; no host block pinned without a load in flight; every GPU block a
+copy in flight reads or writes is held (FENCE): the sources of write-through stores, the
+destinations of loads not completed; no GPU block held without a request, a load or a fence in
+flight (LEAK, checked when no fence is in flight and no store is pending). At the end of every
+example everything is freed, every fence landed, and both tiers must be empty of holders.
+``MAMBAKV_FUZZ=deep`` selects the long profile.
 """
 
 from __future__ import annotations
@@ -36,9 +43,9 @@ from hypothesis.stateful import (
 
 from mambakv import FullAttentionSpec, KVCacheConfig, KVCacheCoordinator, KVCacheGroupSpec, MambaSpec, Request
 from mambakv.core.arena import SuperblockGeometry
-from mambakv.core.errors import LoadPendingError
+from mambakv.core.errors import InvalidFenceError, LoadPendingError
 from mambakv.core.host_tier import HostTierSpec
-from mambakv.core.transfers import BlockKind, Tier
+from mambakv.core.transfers import BlockKind, Tier, TransferPlan
 from tests.property.fuzz_checks import in_use, snapshot
 from tests.property.fuzz_machine import active_settings
 from tests.property.fuzz_model import ALPHABET, cdiv
@@ -108,6 +115,7 @@ class HReq:
     hit: tuple[int, int] = (0, 0)  # (gpu, host) tokens of its tiered lookup
     lossy: bool = False  # evict_blocks ran while its load was held (its hit may have lost pages)
     looked: bool = False  # had a tiered lookup (an engine with a host tier looks up first)
+    load_fence: int = 0  # the fence of the plan that handed out its current load (0: not drained)
 
 
 def full_snapshot(coord: KVCacheCoordinator) -> tuple:
@@ -123,6 +131,15 @@ class HostFuzzMachine(RuleBasedStateMachine):
         self.coord: KVCacheCoordinator | None = None
         self.reqs: dict[str, HReq] = {}
         self.clock = 0.0
+        #: drained plans whose copies the device has not finished (oldest first)
+        self.inflight: list[TransferPlan] = []
+        self.last_fence = self.done_fence = 0
+        #: (fence, request id) of the in-flight loads the engine completed (their copies ran)
+        self.completed: set[tuple[int, str]] = set()
+        #: (fence, request id) of the in-flight loads aborted after their plan was drained
+        self.aborted: set[tuple[int, str]] = set()
+        #: a free since the last drain may have planned write-through stores (held until landed)
+        self.maybe_pending = False
 
     def _on(self) -> bool:
         return self.coord is not None
@@ -191,7 +208,7 @@ class HostFuzzMachine(RuleBasedStateMachine):
         assert coord.load_pending(req.request_id)
         # (the load's room may evict the GPU part's own state, never publish the host part)
         assert coord.get_computed_blocks(req)[1] <= gpu, "HIT: a tier-unaware lookup sees a load in flight"
-        r.status, r.hit, r.lossy = "loading", (hit.num_gpu_tokens, hit.num_host_tokens), False
+        r.status, r.hit, r.lossy, r.load_fence = "loading", (hit.num_gpu_tokens, hit.num_host_tokens), False, 0
         STATS["loads started"] += 1
 
     @precondition(lambda self: self._on() and self.has("loading"))
@@ -199,6 +216,8 @@ class HostFuzzMachine(RuleBasedStateMachine):
     def complete(self, i: int) -> None:
         r = self.pick(i, "loading")
         self.coord.complete_load(r.request.request_id)
+        if r.load_fence:
+            self.completed.add((r.load_fence, r.request.request_id))
         assert not self.coord.load_pending(r.request.request_id)
         if not r.lossy:
             assert self.coord.get_computed_blocks(r.request)[1] >= sum(r.hit), "HIT: a completed load is not a GPU hit"
@@ -209,6 +228,7 @@ class HostFuzzMachine(RuleBasedStateMachine):
     @rule(i=idx)
     def abort(self, i: int) -> None:
         r = self.pick(i, "loading", "loaded")
+        self._aborting(r)
         self.coord.abort_load(r.request.request_id)
         with pytest.raises(LoadPendingError):
             self.coord.abort_load(r.request.request_id)
@@ -221,9 +241,18 @@ class HostFuzzMachine(RuleBasedStateMachine):
         """The request goes away before its admission: free() aborts its load / ends its hold."""
         r = self.pick(i, "waiting", "loading", "loaded")
         STATS[f"freed while {r.status}"] += 1
+        self._aborting(r)
         self.coord.free(r.request.request_id, now=self.now())
+        self.maybe_pending = True
         assert not self.coord.load_pending(r.request.request_id)
         del self.reqs[r.request.request_id]
+
+    def _aborting(self, r: HReq) -> None:
+        """`r`'s load ends without complete_load: drained and in flight, its destinations
+        stay held by the fence."""
+        if r.status == "loading" and r.load_fence > self.done_fence:
+            self.aborted.add((r.load_fence, r.request.request_id))
+            STATS["loads aborted in flight"] += 1
 
     def admissible(self) -> list[HReq]:
         return [r for _, r in sorted(self.reqs.items()) if r.status in ("loading", "loaded")
@@ -276,6 +305,7 @@ class HostFuzzMachine(RuleBasedStateMachine):
     def _preempt(self, r: HReq) -> None:
         rid = r.request.request_id
         self.coord.free(rid, now=self.now())
+        self.maybe_pending = True
         self.history.append(tuple(r.request.all_token_ids.tolist()))
         del self.history[2:-6]
         left = max(1, r.request.max_tokens - r.request.num_output_tokens)
@@ -299,6 +329,7 @@ class HostFuzzMachine(RuleBasedStateMachine):
 
     def finish_one(self, r: HReq) -> None:
         self.coord.free(r.request.request_id, now=self.now())
+        self.maybe_pending = True
         self.history.append(tuple(r.request.all_token_ids.tolist()))
         del self.history[2:-6]
         del self.reqs[r.request.request_id]
@@ -327,22 +358,87 @@ class HostFuzzMachine(RuleBasedStateMachine):
         for p in plan.loads:
             assert self.reqs.get(p.request_id) is not None and self.reqs[p.request_id].status == "loading", (
                 f"LOADS: the plan hands out {p.request_id}'s load, which is not in flight")
-        STATS["plans"] += bool(plan)
+            self.reqs[p.request_id].load_fence = plan.fence
+        self.maybe_pending = False
+        if not plan:
+            assert plan.fence == 0, "FENCE: the empty plan carries a fence"
+            return
+        assert plan.fence == self.last_fence + 1, f"FENCE: plan fence {plan.fence} after {self.last_fence}"
+        self.last_fence = plan.fence
+        self.inflight.append(plan)
+        STATS["plans"] += 1
+        STATS["max fences in flight"] = max(STATS["max fences in flight"], len(self.inflight))
+
+    @precondition(lambda self: self._on() and self.inflight)
+    @rule(every=st.booleans(), probe=st.integers(0, 5))
+    def land(self, every: bool, probe: int) -> None:
+        """The device finished the oldest plan in flight (or all of them): ``transfers_done``.
+        With `probe` 0, first the refusals: a fence never issued, negative or not an int (raises),
+        a passed one (a no-op): nothing changed."""
+        if not probe:
+            self._refusals()
+        self._land(self.inflight[-1 if every else 0].fence)
+
+    def _refusals(self) -> None:
+        coord = self.coord
+        before = full_snapshot(coord)
+        for bad in (self.last_fence + 1, self.last_fence + 7, -1, str(self.done_fence), float(self.done_fence), None):
+            with pytest.raises(InvalidFenceError):
+                coord.transfers_done(bad)  # type: ignore[arg-type]
+            assert full_snapshot(coord) == before, f"UNCHANGED: a refused transfers_done({bad!r})"
+        for passed in {0, self.done_fence // 2, self.done_fence}:
+            coord.transfers_done(passed)
+            assert full_snapshot(coord) == before, f"UNCHANGED: transfers_done({passed}), a passed fence"
+        STATS["fence refusals"] += 1
+
+    def _land(self, fence: int) -> None:
+        coord = self.coord
+        free_before = [p.get_num_free_blocks() for p in coord.pools]
+        coord.transfers_done(fence)
+        assert all(p.get_num_free_blocks() >= n for p, n in zip(coord.pools, free_before)), (
+            "FENCE: transfers_done took free blocks")
+        self.done_fence = fence
+        self.inflight = [p for p in self.inflight if p.fence > fence]
+        self.completed = {k for k in self.completed if k[0] > fence}
+        self.aborted = {k for k in self.aborted if k[0] > fence}
+        STATS["fences landed"] += 1
+
+    def _land_all(self) -> None:
+        """An engine that waits for its side stream: drain the last plan, land everything."""
+        self.drain_plan()
+        if self.inflight:
+            self._land(self.inflight[-1].fence)
+        assert not self.inflight
+
+    def _fence_holds(self) -> bool:
+        """A plan in flight is known to hold GPU blocks (write-through store sources, an
+        aborted load's destinations); it may hold others (the sources of stores it dropped)."""
+        through = self.cfg.write == "through"
+        return bool(self.aborted) or (through and any(p.stores for p in self.inflight))
 
     @precondition(lambda self: self._on() and not self.has("running"))
-    @rule(go=st.integers(0, 9))
-    def reset(self, go: int) -> None:
+    @rule(go=st.integers(0, 9), wait=st.booleans())
+    def reset(self, go: int, wait: bool) -> None:
         if go:  # rare: a reset empties both tiers
             return
         coord = self.coord
         held = self.has("loading", "loaded")
+        if wait and not held:  # the engine lets its copies finish first
+            self._land_all()
+        fenced = self._fence_holds()
         before = full_snapshot(coord)
         ok = coord.reset_prefix_cache()
-        if held:
-            assert not ok and full_snapshot(coord) == before, "RESET: succeeded (or changed) with a load held"
+        if held or fenced:
+            assert not ok and full_snapshot(coord) == before, (
+                "RESET: succeeded (or changed) with a load held or a fence holding blocks")
+            STATS["resets refused for a fence"] += not held
+        elif not ok:  # what a fence in flight or a pending store holds is not known to the model
+            assert full_snapshot(coord) == before, "RESET: refused and changed something"
+            assert self.inflight or self.maybe_pending, "RESET: refused with nothing held and nothing in flight"
+            STATS["resets refused for a fence"] += 1
         else:
-            assert ok, "RESET: refused with nothing held"
             assert not coord.take_transfer_plan(), "RESET: transfers survived"
+            self.maybe_pending = False
             assert len(coord.host.units.nodes) == 0 and not any(
                 b.block_hash is not None for p in (coord.host.arena.pages, coord.host.arena.slots) for b in p.blocks)
             STATS["resets"] += 1
@@ -372,8 +468,10 @@ class HostFuzzMachine(RuleBasedStateMachine):
         assert set(coord.request_ids) == {rid for rid, r in self.reqs.items() if r.status == "running"}
         if not loads:
             assert not in_use(host.arena.pages) and not in_use(host.arena.slots), "PIN: host blocks pinned, no load"
-        if not any(r.status in ("running", "loading", "loaded") for r in self.reqs.values()):
+        if not self.inflight and not self.maybe_pending and not any(
+                r.status in ("running", "loading", "loaded") for r in self.reqs.values()):
             assert not any(in_use(p) for p in coord.pools), "LEAK: GPU blocks held with nothing holding them"
+        self.fenced_blocks_held()
         s, u = host.stats, host.units.stats
         self._seen = getattr(self, "_seen", (0, 0, 0, 0))
         seen = (s.stores, u.evictions, s.skipped_stores, s.aborted_loads)
@@ -382,14 +480,51 @@ class HostFuzzMachine(RuleBasedStateMachine):
             STATS[name] += a - b
         self._seen = seen
 
+    def fenced_blocks_held(self) -> None:
+        """FENCE: every GPU block a copy in flight reads or writes has ref_cnt >= 1 (no free
+        queue, no new table can take it): the GPU sources of its stores (except write 'evict',
+        whose stores run before the evicting step writes: the fence holds nothing for them),
+        the destinations of its loads not completed, which no live table holds either."""
+        coord = self.coord
+        pool = {BlockKind.PAGE: coord.block_pool, BlockKind.STATE: coord.state_block_pool}
+        tables: dict[tuple[int, int], str] = {}
+        for rid in coord.request_ids:
+            for g, ids in enumerate(coord.get_block_ids(rid)):
+                spec = coord.kv_cache_config.kv_cache_groups[g].kv_cache_spec
+                for b in ids:
+                    if b:
+                        tables[(id(coord.pool_of(spec)), b)] = rid
+        for plan in self.inflight:
+            if self.cfg.write != "evict":
+                for t in plan.stores:
+                    if t.src_tier is Tier.GPU:
+                        b = pool[t.kind].blocks[t.src_block]
+                        assert b.ref_cnt >= 1, (
+                            f"FENCE: GPU {t.kind.value} {t.src_block} free while fence {plan.fence}'s store reads it")
+            for p in plan.loads:
+                if (plan.fence, p.request_id) in self.completed:
+                    continue
+                for t in p.transfers:
+                    b = pool[t.kind].blocks[t.dst_block]
+                    assert b.ref_cnt >= 1, (
+                        f"FENCE: GPU {t.kind.value} {t.dst_block} free while fence {plan.fence}'s load writes it")
+                    owner = tables.get((id(pool[t.kind]), t.dst_block))
+                    assert owner is None, (f"FENCE: GPU {t.kind.value} {t.dst_block} in {owner}'s table while fence "
+                                           f"{plan.fence}'s load for {p.request_id} writes it")
+
     def teardown(self) -> None:
         coord = self.coord
         if coord is None:
             return
-        for rid in list(self.reqs):
+        for rid, r in sorted(self.reqs.items()):
+            self._aborting(r)
             coord.free(rid, now=self.now())
             coord.check_invariants()
+            self.fenced_blocks_held()
         self.reqs.clear()
+        self._land_all()  # the frees' stores, then every fence in flight
+        coord.check_invariants()
+        self._refusals()
         assert not any(in_use(p) for p in coord.pools), "LEAK: GPU blocks held after everything ended"
         host = coord.host
         assert not in_use(host.arena.pages) and not in_use(host.arena.slots), "LEAK: host blocks pinned at the end"
@@ -401,7 +536,8 @@ class HostFuzzMachine(RuleBasedStateMachine):
 #: are printed with the rest)
 REACHED = ("host stores", "host evictions", "skipped stores", "loads started", "loads completed", "loads aborted",
            "freed while loading", "loaded requests admitted", "host hit tokens", "allocates refused during a load",
-           "tiered refused", "write evict", "write through", "preemptions", "resets")
+           "tiered refused", "write evict", "write through", "preemptions", "resets", "fences landed",
+           "fence refusals", "loads aborted in flight", "resets refused for a fence")
 
 
 def test_host_tier_state_machine() -> None:
