@@ -195,7 +195,67 @@ def test_cli_bad_config_subprocess_no_traceback(tmp_path):
     out = subprocess.run([sys.executable, "-m", "mambakv", "replay", "--config", path], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr == "mambakv: error: config.json: attn_layer_period must be >= 1, got 0\n"
+    assert out.stderr == f"mambakv: error: {path}: attn_layer_period must be >= 1, got 0\n"
+
+
+def test_cli_config_errors_name_the_file(tmp_path, capsys):
+    # "config.json lacks ..." was said of a file named otherwise: the message names the real file
+    path = tmp_path / "nolayers.json"
+    path.write_text(json.dumps(packaged("granite-4.0-h-small", layer_types=None)))
+    assert main(["replay", "--config", str(path)]) == 2
+    err = cli_error(capsys)
+    assert err == f"mambakv: error: {path} lacks layer_types / layers_block_type\n"
+    path.write_text(json.dumps(packaged("jamba-v0.1", attn_layer_period=0)))
+    assert main(["trace", "unread.jsonl", "--config", str(path)]) == 2  # the config is read first
+    assert cli_error(capsys) == f"mambakv: error: {path}: attn_layer_period must be >= 1, got 0\n"
+
+
+def test_cli_config_with_a_utf8_bom_is_read(tmp_path, capsys):
+    # an editor's "UTF-8 with BOM": json.loads refused it ("Unexpected UTF-8 BOM")
+    path = tmp_path / "bom.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(packaged("qwen3-next-80b-a3b")).encode())
+    assert read_config(path).num_hidden_layers == 48
+    assert main(["replay", "--config", str(path), "--prompt-tokens", "1000", "--output-tokens", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["finished"] == 1
+
+
+GOOD_ROW = {"timestamp": 50, "input_length": 600, "output_length": 2, "hash_ids": [1, 2]}
+
+
+@pytest.mark.parametrize("command", ["trace", "fleet"])
+@pytest.mark.parametrize("row, why", [
+    (dict(GOOD_ROW, timestamp=1e13), "timestamp must be a finite number of ms in [0, 10^12], got 10000000000000.0"),
+    (dict(GOOD_ROW, timestamp=-5), "timestamp must be a finite number of ms in [0, 10^12], got -5"),
+    # an int beyond a float: math.isfinite raised OverflowError, a traceback
+    (dict(GOOD_ROW, timestamp=10**400), "timestamp must be a finite number of ms in [0, 10^12], got 1000"),
+    (dict(GOOD_ROW, timestamp=49), "timestamp 49 is before line 1's 50; a trace is in arrival order"),
+    # 0 used to run as 1 output token
+    (dict(GOOD_ROW, output_length=0), "output_length must be an int >= 1, got 0"),
+    (dict(GOOD_ROW, output_length=-3), "output_length must be an int >= 1, got -3"),
+])
+def test_cli_bad_trace_line_exit_2_before_any_work(tmp_path, monkeypatch, capsys, command, row, why):
+    import mambakv.cli.fleet as cli_fleet
+    import mambakv.sim as sim
+
+    monkeypatch.setattr(sim, "run_trace", lambda *a, **k: pytest.fail("ran a trace with a bad line"))
+    monkeypatch.setattr(cli_fleet, "_run_fleet", lambda *a, **k: pytest.fail("ran a trace with a bad line"),
+                        raising=False)
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(GOOD_ROW) + "\n" + json.dumps(row) + "\n")
+    assert main([command, str(path), "--quiet"]) == 2
+    err = cli_error(capsys)
+    assert err.startswith(f"mambakv: error: {path}: line 2: ") and why in err
+
+
+def test_cli_trace_timestamps_may_repeat_and_are_compared_after_skip(tmp_path, capsys):
+    # equal timestamps are in order; the lines before --skip are not read as requests
+    path = tmp_path / "t.jsonl"
+    rows = [dict(GOOD_ROW, timestamp=900), GOOD_ROW, dict(GOOD_ROW, hash_ids=[1, 3])]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["trace", str(path), "--quiet", "--skip", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["finished"] == 2
+    assert main(["trace", str(path), "--quiet"]) == 2
+    assert "line 2: timestamp 50 is before line 1's 900" in cli_error(capsys)
 
 
 @pytest.mark.parametrize("argv, why", [
@@ -432,7 +492,7 @@ def test_every_error_class_is_exported():
     import mambakv.core.errors as errors
 
     classes = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, MambaKVError)}
-    assert "InvalidCopyPlanError" in classes and len(classes) == 18  # InvalidClockError: issue 15, LoadPendingError: 17,
-    # ReadOnlyResultError: the shared empty KVCacheBlocks
+    assert "InvalidCopyPlanError" in classes and len(classes) == 19  # InvalidClockError: issue 15, LoadPendingError: 17,
+    # ReadOnlyResultError: the shared empty KVCacheBlocks, InvalidFenceError: the transfer fence
     for name in classes:
         assert name in mambakv.__all__ and getattr(mambakv, name) is getattr(errors, name)

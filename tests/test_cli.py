@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -277,19 +279,69 @@ def test_budget_too_small_says_how_much_is_needed(capsys):
 
 
 def test_request_beyond_max_model_len_is_rejected(tmp_path, capsys):
-    # max_model_len 2,097,152 (2**21): a 2,097,152-token prompt leaves no room for an output
-    # token (2,097,152 + 1 > 2,097,152); it used to "finish" after one 8,192-token chunk.
-    big = {"timestamp": 10, "input_length": 2_097_152, "output_length": 3, "hash_ids": list(range(100, 4196))}
-    p = write_trace(tmp_path / "t.jsonl", [ROWS[0], big])
+    # The default max_model_len of a trace is the model's own context length: 262,144 tokens for
+    # Qwen3-Next (max_position_embeddings of its config.json). A 262,000-token prompt asking for
+    # 200 tokens (262,200 > 262,144) and a 2,000-token prompt asking for 100,000,000 are both
+    # rejected before the run. Before: max_model_len was 2**21 and only prompt + 1 counted, so
+    # both ran, the second for hours (one decode step per token).
+    long_prompt = {"timestamp": 10, "input_length": 262_000, "output_length": 200, "hash_ids": list(range(100, 612))}
+    long_output = dict(ROWS[0], timestamp=20, output_length=100_000_000)
+    p = write_trace(tmp_path / "t.jsonl", [ROWS[0], long_prompt, long_output])
     assert main(["trace", str(p), "--json", "--quiet"]) == 0
     captured = capsys.readouterr()
     d = json.loads(captured.out)
-    assert (d["requests"], d["finished"], d["rejected"]) == (2, 1, 1)
+    assert (d["requests"], d["finished"], d["rejected"], d["max_model_len"]) == (3, 1, 2, 262_144)
     assert d["prompt_tokens"] == 2000 and d["output_tokens"] == 1  # only A ran
-    assert captured.err == ("mambakv: warning: 1 of 2 requests rejected: a prompt of max_model_len 2,097,152 "
-                            "tokens or more leaves no room for an output token\n")
+    assert captured.err == ("mambakv: warning: 2 of 3 requests rejected: prompt + output tokens exceed "
+                            "max_model_len 262,144 (--max-model-len)\n")
     assert main(["trace", str(p), "--quiet"]) == 0
-    assert "requests 1/2 finished, 1 rejected;" in capsys.readouterr().out
+    assert "requests 1/3 finished, 2 rejected;" in capsys.readouterr().out
+    # --max-model-len: A is 2,000 + 1 tokens: 2,001 runs it, 2,000 rejects it too (nothing runs)
+    assert main(["trace", str(p), "--json", "--quiet", "--max-model-len", "2001"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["finished"], d["rejected"], d["max_model_len"]) == (1, 2, 2001)
+    assert main(["trace", str(p), "--json", "--quiet", "--max-model-len", "2000"]) == 0
+    captured = capsys.readouterr()
+    d = json.loads(captured.out)
+    assert (d["requests"], d["finished"], d["rejected"]) == (3, 0, 3)
+    assert "3 of 3 requests rejected" in captured.err
+
+
+def test_max_model_len_comes_from_the_config(tmp_path, capsys):
+    # --config FILE: the file's max_position_embeddings; none in the file: DEFAULT_MAX_MODEL_LEN
+    from mambakv.models.registry import packaged_config
+    from mambakv.sim.runner import DEFAULT_MAX_MODEL_LEN
+
+    p = write_trace(tmp_path / "t.jsonl", ROWS)
+    cfg = packaged_config("qwen3-next-80b-a3b")
+    cfg["max_position_embeddings"] = 2050  # A (2,000 + 1) fits, B (2,100 + 1) does not
+    (tmp_path / "short.json").write_text(json.dumps(cfg))
+    del cfg["max_position_embeddings"]
+    (tmp_path / "none.json").write_text(json.dumps(cfg))
+    assert main(["trace", str(p), "--json", "--quiet", "--config", str(tmp_path / "short.json")]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["finished"], d["rejected"], d["max_model_len"]) == (1, 1, 2050)
+    assert main(["trace", str(p), "--json", "--quiet", "--config", str(tmp_path / "none.json")]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["finished"], d["rejected"], d["max_model_len"]) == (2, 0, DEFAULT_MAX_MODEL_LEN)
+    # the flag wins over the config
+    assert main(["trace", str(p), "--json", "--quiet", "--config", str(tmp_path / "short.json"),
+                 "--max-model-len", "4096"]) == 0
+    assert json.loads(capsys.readouterr().out)["rejected"] == 0
+
+
+def test_fleet_max_model_len(tmp_path, capsys):
+    # the fleet rejects as the trace does: prompt + output > max_model_len, counted, one warning
+    p = write_trace(tmp_path / "t.jsonl", [*ROWS, dict(ROWS[0], timestamp=60, output_length=100_000_000)])
+    assert main(["fleet", str(p), "--instances", "2", "--json", "--quiet"]) == 0
+    captured = capsys.readouterr()
+    d = json.loads(captured.out)
+    assert (d["requests"], d["finished"], d["rejected"], d["max_model_len"]) == (3, 2, 1, 262_144)
+    assert captured.err == ("mambakv: warning: 1 of 3 requests rejected: prompt + output tokens exceed "
+                            "max_model_len 262,144 (--max-model-len)\n")
+    assert main(["fleet", str(p), "--instances", "2", "--json", "--quiet", "--max-model-len", "2050"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["finished"], d["rejected"]) == (1, 2)
 
 
 def test_rejection_boundary_in_runner():
@@ -302,12 +354,33 @@ def test_rejection_boundary_in_runner():
         return RequestSpec(rid, 0.0, n, 3, lambda n=n: np.arange(n, dtype=np.int32) % 1000)
 
     coord = build_coordinator("qwen3-next-80b-a3b", 2.0, max_model_len=4096)
-    # 4095 + 1 = 4096 <= 4096: runs (and stops at the length cap after 1 output token);
-    # 4096 + 1 > 4096: rejected, its prompt never built
-    never = RequestSpec("never", 0.0, 4096, 3, lambda: pytest.fail("rejected prompt was built"))
-    result = run_workload(coord, [spec("ok", 4095), never])
+    # prompt + output: 4093 + 3 = 4096 <= 4096 runs (all 3 output tokens); 4094 + 3 > 4096 is
+    # rejected, its prompt never built (before: only prompt + 1 counted, so it ran and stopped
+    # at the length cap after 2 of its 3 tokens)
+    never = RequestSpec("never", 0.0, 4094, 3, lambda: pytest.fail("rejected prompt was built"))
+    result = run_workload(coord, [spec("ok", 4093), never])
     d = result.to_dict()
-    assert (result.rejected, d["requests"], d["finished"], d["output_tokens"]) == (1, 2, 1, 1)
+    assert (result.rejected, d["requests"], d["finished"], d["output_tokens"]) == (1, 2, 1, 3)
+
+
+def test_budget_series_covers_every_step():
+    # The decoupled chart's budget area was drawn from the scheduler's byte series, sampled after
+    # allocations only: it stopped at step 60 of the default replay's 62 (2 decode steps allocate
+    # nothing) while the "held by requests" line ran to step 62. Both now end at the last step.
+    from mambakv.cli.plot import budget_series, plot_series
+    from mambakv.sim.runner import run_replay
+
+    r = run_replay(layout="decoupled")
+    m = r.metrics
+    assert m.steps == 62 and m.byte_series[-1][0] == 60
+    steps, parts = budget_series(r)
+    held_steps, _, _ = plot_series(r)
+    assert steps[-1] == held_steps[-1] == 62 and steps[-2:] == [60, 62]
+    end = r.to_dict()["arena"]["final_bytes"]
+    assert parts[-1] == (end["pages"], end["states"], end["idle"])  # the budget at the end of the run
+    assert parts[:-1] == [(s[2], s[3], s[4]) for s in m.byte_series]
+    # the unified layout has no byte budget
+    assert budget_series(run_replay(prompt_tokens=1000, output_tokens=1)) == ([], [])
 
 
 def test_plot_series_runs_to_the_last_step():
@@ -347,6 +420,19 @@ def test_help_needs_no_source_checkout(capsys):
         assert "docs/" not in out
     assert main(["replay", "--help"]) == 0
     assert "hit rate (cached / prompt tokens" in " ".join(capsys.readouterr().out.split())
+
+
+def test_help_cites_only_what_a_user_has(capsys):
+    # `trace --help` cited CACHE.md, a design note beside the repository that users do not have
+    for argv in (["--help"], ["replay", "--help"], ["trace", "--help"], ["chat", "--help"], ["fleet", "--help"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert "CACHE.md" not in out and "DESIGN.md" not in out, argv
+    assert main(["trace", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "in arrival order: a timestamp below the previous line's is an error" in out
+    assert "--max-model-len TOKENS longest request, prompt + output tokens" in out
+    assert "with a 256 GiB host tier, reuse scored 0.2434 and lru 0.2493" in out
 
 
 def test_license_readme_and_changelog_agree_with_pyproject():
@@ -434,7 +520,71 @@ def test_eviction_bad_flags_exit_2(tmp_path, capsys, argv):
 def test_save_hazard_table_folder_checked_before_the_run(tmp_path, capsys):
     p = write_trace(tmp_path / "t.jsonl", ROWS)
     assert main(["trace", str(p), "--quiet", "--save-hazard-table", str(tmp_path / "no" / "h.json")]) == 2
-    assert "no such folder" in capsys.readouterr().err
+    assert "does not exist" in _one_line_error(capsys)
+
+
+def _no_run(monkeypatch):
+    """Any simulated run fails the test: the command must refuse before any work."""
+    import mambakv.cli.fleet as cli_fleet
+    import mambakv.sim as sim
+
+    for name in ("run_replay", "run_trace", "run_conversations"):
+        monkeypatch.setattr(sim, name, lambda *a, **k: pytest.fail("ran before checking its output paths"))
+    monkeypatch.setattr(cli_fleet, "_run_fleet", lambda *a, **k: pytest.fail("ran before checking its output paths"),
+                        raising=False)
+
+
+@pytest.mark.parametrize("flag, target, why", [
+    # a directory: before, --save-hazard-table DIR ran the whole trace, then failed with a raw errno
+    ("--save-hazard-table", "{tmp}", "is a directory"),
+    ("--save-hazard-table", "{tmp}/no/h.json", "folder {tmp}/no does not exist"),
+    # a virtual file system: the folder exists and root may "write" it, but no file can be created
+    ("--save-hazard-table", "/proc/h.json", "cannot write there"),
+    ("--plot", "/proc/x.png", "cannot write there"),
+    ("--plot", "{tmp}/d.png", "is a directory"),
+])
+def test_output_paths_refused_before_any_work(tmp_path, monkeypatch, capsys, flag, target, why):
+    if flag == "--plot":
+        pytest.importorskip("matplotlib")
+    (tmp_path / "d.png").mkdir()
+    p = write_trace(tmp_path / "t.jsonl", ROWS)
+    _no_run(monkeypatch)
+    target, why = target.format(tmp=tmp_path), why.format(tmp=tmp_path)
+    assert main(["trace", str(p), "--quiet", flag, target]) == 2
+    err = _one_line_error(capsys)
+    assert err.startswith(f"mambakv: error: {flag} {target}: ") and why in err and "Errno" not in err
+    if flag == "--plot":
+        assert main(["fleet", str(p), "--quiet", flag, target]) == 2
+        assert why in _one_line_error(capsys)
+        assert main(["replay", flag, target]) == 2
+        assert why in _one_line_error(capsys)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root writes a read-only folder")
+def test_output_path_in_a_read_only_folder(tmp_path, monkeypatch, capsys):
+    p = write_trace(tmp_path / "t.jsonl", ROWS)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        _no_run(monkeypatch)
+        assert main(["trace", str(p), "--quiet", "--save-hazard-table", str(ro / "h.json")]) == 2
+        assert "cannot write there" in _one_line_error(capsys)
+    finally:
+        ro.chmod(0o700)
+
+
+def test_output_path_check_leaves_no_trace(tmp_path):
+    # the test write creates and removes a new file, and leaves an existing one as it was
+    from mambakv.cli.args import check_output_path
+
+    check_output_path(str(tmp_path / "new.json"), "--save-hazard-table")
+    assert list(tmp_path.iterdir()) == []
+    old = tmp_path / "old.png"
+    old.write_bytes(b"keep me")
+    check_output_path(str(old), "--plot")
+    assert old.read_bytes() == b"keep me"
+    check_output_path(None, "--plot")
 
 
 # --------------------------------------------------------------------------- issue 17
@@ -495,3 +645,34 @@ def test_host_flags_without_a_host_tier_exit_2(tmp_path, flag, capsys):
     p = write_trace(tmp_path / "t.jsonl", HOST_ROWS)
     assert main(["trace", str(p), "--quiet", *flag]) == 2  # they would do nothing: refused before the run
     assert "--host-memory-gib" in _one_line_error(capsys)
+
+
+# --------------------------------------------------------------------------- issue 31, docs
+def _all_blocks_returned_recipe() -> str:
+    """The ```py block under "### All blocks returned" in docs/engine-integration.md."""
+    text = (ROOT / "docs" / "engine-integration.md").read_text()
+    section = text.split("### All blocks returned", 1)[1]
+    return re.findall(r"^```py\n(.*?)^```", section, flags=re.S | re.M)[0]
+
+
+@pytest.mark.parametrize("layout", ["unified", "decoupled"])
+def test_all_blocks_returned_recipe_of_the_docs(tmp_path, layout):
+    """The doc's recipe, run as written after a trace in both layouts: true once every request
+    is freed, false while one still holds blocks."""
+    from mambakv import Request
+    from mambakv.sim.runner import run_trace
+
+    recipe: dict = {}
+    exec(compile(_all_blocks_returned_recipe(), "engine-integration.md", "exec"), recipe)
+    all_blocks_returned = recipe["all_blocks_returned"]
+    p = write_trace(tmp_path / "t.jsonl", ROWS)
+    kv = run_trace(p, layout=layout, memory_gib=4.0).coord
+    assert len(kv.pools) == (2 if layout == "decoupled" else 1)
+    assert all_blocks_returned(kv) and kv.usage == 0.0
+    req = Request("held", list(range(1, 200)))
+    blocks, n = kv.get_computed_blocks(req)
+    assert kv.allocate(req, 199 - n, num_new_computed_tokens=n, new_computed_blocks=blocks,
+                       num_draft_tokens=0) is not None
+    assert not all_blocks_returned(kv)
+    kv.free("held")
+    assert all_blocks_returned(kv)

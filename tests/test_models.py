@@ -242,3 +242,31 @@ def test_pattern_must_cover_every_layer():
     # the packaged 52-layer model at 60 GiB: block 528 x 4096 B/token = 2,162,688 B pages,
     # groups of 4 -> 8,650,752 B (8.25 MiB) per block, 64,424,509,440 // that = 7,447 blocks
     assert build_kv_cache_config("nemotron-h-8b", 60 << 30).num_blocks == 7_447
+
+
+# --------------------------------------------------------------------------- context length (issue 31)
+@pytest.mark.parametrize("name, tokens", [
+    # max_position_embeddings of each public config.json (the packaged file's _sources say where)
+    ("qwen3-next-80b-a3b", 262_144), ("qwen3.5-4b", 262_144), ("falcon-h1-7b", 262_144),
+    ("jamba-v0.1", 262_144), ("granite-4.0-h-small", 131_072), ("nemotron-h-8b", 8_192),
+    ("mamba2-2.7b", None),  # a mamba_ssm checkpoint has no position limit
+])
+def test_packaged_context_lengths(name, tokens):
+    from mambakv.sim.runner import DEFAULT_MAX_MODEL_LEN, model_max_len
+
+    assert load_model(name).max_position_embeddings == tokens
+    assert model_max_len(name) == (tokens or DEFAULT_MAX_MODEL_LEN)
+    if tokens is not None:
+        cfg = packaged_config(name)
+        inner = cfg.get("text_config", cfg)  # Qwen3.5 keeps it in text_config
+        assert inner["max_position_embeddings"] == tokens
+        key = "text_config.max_position_embeddings" if "text_config" in cfg else "max_position_embeddings"
+        assert cfg["_sources"][key]
+
+
+@pytest.mark.parametrize("value", ["8k", 8192.0, 0, True])
+def test_bad_context_length_is_refused(value):
+    cfg = packaged_config("qwen3-next-80b-a3b")
+    cfg["max_position_embeddings"] = value
+    with pytest.raises(ModelConfigError, match="max_position_embeddings"):
+        parse_config(cfg)

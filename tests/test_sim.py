@@ -214,7 +214,7 @@ def test_step_clock_and_arrivals():
 def test_trace_tokens_share_exactly_their_hash_ids(tmp_path):
     p = tmp_path / "t.jsonl"
     p.write_text('{"timestamp": 0, "input_length": 700, "output_length": 3, "hash_ids": [5, 6]}\n\n'
-                 '{"timestamp": 9, "input_length": 1100, "output_length": 0, "hash_ids": [5, 7, 8]}\n')
+                 '{"timestamp": 9, "input_length": 1100, "output_length": 1, "hash_ids": [5, 7, 8]}\n')
     a, b = load_trace(p)
     pa, pb = a.prompt(), b.prompt()
     assert pa.size == 700 and pb.size == 1100 and b.output_len == 1 and b.arrival_ms == 9.0

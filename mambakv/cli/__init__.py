@@ -1,6 +1,7 @@
-"""The ``mambakv`` command (``mambakv = mambakv.cli:main``): its parser and commands
-(:mod:`mambakv.cli.main`), argument types (:mod:`~mambakv.cli.args`), the ``fleet`` subcommand
-(:mod:`~mambakv.cli.fleet`), the reports (:mod:`~mambakv.cli.report`,
+"""The ``mambakv`` command (``mambakv = mambakv.cli:main``): its parser and entry point
+(:mod:`mambakv.cli.main`), the run commands replay / trace / chat (:mod:`~mambakv.cli.runs`),
+``sweep`` (:mod:`~mambakv.cli.sweep`), ``fleet`` (:mod:`~mambakv.cli.fleet`), argument types
+(:mod:`~mambakv.cli.args`), the reports (:mod:`~mambakv.cli.report`,
 :mod:`~mambakv.cli.fleet_report`) and the charts (:mod:`~mambakv.cli.plot`). The simulator it runs
 is :mod:`mambakv.sim`, imported only once a command runs."""
 

@@ -6,18 +6,18 @@ only when a chart is asked for.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mambakv.cli.args import check_output_path
 from mambakv.cli.report import GIB, MIB
 from mambakv.core.errors import MambaKVError
 
 if TYPE_CHECKING:
     from mambakv.sim.runner import SimResult
 
-__all__ = ["PLOT_SUFFIXES", "check_plot_path", "merge_identical_groups", "plot_budget", "plot_series", "write_fleet_plot",
-           "write_plot"]
+__all__ = ["PLOT_SUFFIXES", "budget_series", "check_plot_path", "merge_identical_groups", "plot_budget", "plot_series",
+           "write_fleet_plot", "write_plot"]
 
 #: File types ``--plot`` writes (matplotlib picks the format from the suffix).
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
@@ -25,7 +25,8 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 def check_plot_path(path: str | None) -> None:
     """Refuse a ``--plot`` target before the run: matplotlib missing, a suffix other than
-    PLOT_SUFFIXES, a directory, or a folder that does not exist or is not writable.
+    PLOT_SUFFIXES, then :func:`~mambakv.cli.args.check_output_path` (a directory, a folder that
+    does not exist, a place where a test write fails: not writable, ``/proc``).
 
     Raises:
         MambaKVError: one line naming the problem.
@@ -39,13 +40,7 @@ def check_plot_path(path: str | None) -> None:
     p = Path(path)
     if p.suffix.lower() not in PLOT_SUFFIXES:
         raise MambaKVError(f"--plot {path}: the file name must end in {', '.join(PLOT_SUFFIXES)}")
-    if p.is_dir():
-        raise MambaKVError(f"--plot {path}: is a directory")
-    folder = p.parent
-    if not folder.is_dir():
-        raise MambaKVError(f"--plot {path}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise MambaKVError(f"--plot {path}: not writable")
+    check_output_path(path, "--plot")
 
 
 def plot_series(result: SimResult) -> tuple[list[int], list[tuple[int, ...]], list[float]]:
@@ -69,6 +64,29 @@ def plot_series(result: SimResult) -> tuple[list[int], list[tuple[int, ...]], li
     return steps, usage, hits
 
 
+def budget_series(result: SimResult) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """Decoupled layout: steps and the budget's ``(page, state, idle)`` bytes, through the run's
+    last step (both lists empty in the unified layout).
+
+    ``byte_series`` is sampled with ``series``, after allocations only: a decode tail that
+    allocates nothing would end the budget before the last step (the default replay: step 60 of
+    62) while :func:`plot_series` runs to it.  As there, the last sample is held until the
+    run's last step, where the arena's bytes at the end of the run (``arena.final_bytes``)
+    close it, so the budget and the "held by requests" line cover the same steps.
+    """
+    m, arena = result.metrics, result.coord.arena
+    steps = [s[0] for s in m.byte_series]
+    parts = [(s[2], s[3], s[4]) for s in m.byte_series]
+    if arena is None:
+        return steps, parts
+    b = arena.bytes
+    end = (b.pages, b.states, b.idle)
+    if not steps or steps[-1] < m.steps or parts[-1] != end:
+        steps.append(max(m.steps, steps[-1] if steps else 0))
+        parts.append(end)
+    return steps, parts
+
+
 def merge_identical_groups(kinds: list[str], usage: list[tuple[int, ...]]) -> list[tuple[list[int], str]]:
     """Groups whose usage is equal at every sample, as ``(group ids, kind)`` bands in group order.
 
@@ -82,13 +100,13 @@ def merge_identical_groups(kinds: list[str], usage: list[tuple[int, ...]]) -> li
     return list(bands.values())
 
 
-def plot_budget(ax: Any, byte_series: list[tuple[int, float, int, int, int]], steps: list[int],
+def plot_budget(ax: Any, budget: tuple[list[int], list[tuple[int, int, int]]], steps: list[int],
                 held: list[float]) -> None:
     """Decoupled layout: the byte budget in attention pages, states and idle state-superblock
-    tails (fragmentation), stacked in GiB per step (cached and held alike), and the GiB the
-    requests' tables hold (a line)."""
-    at = [s[0] for s in byte_series]
-    pages, states, idle = ([s[i] / GIB for s in byte_series] for i in (2, 3, 4))
+    tails (fragmentation), stacked in GiB per step (cached and held alike; `budget` is
+    :func:`budget_series`), and the GiB the requests' tables hold (a line, at `steps`)."""
+    at, parts = budget
+    pages, states, idle = ([s[i] / GIB for s in parts] for i in (0, 1, 2))
     ax.stackplot(at, pages, states, idle, step="post", alpha=0.85, colors=("C0", "C1", "lightgray"),
                  labels=(f"attention pages (end {pages[-1]:,.1f} GiB)", f"Mamba states (peak {max(states):,.1f} GiB)",
                          f"idle state tails = fragmentation (peak {max(idle):,.2f} GiB)"))
@@ -119,7 +137,7 @@ def write_plot(result: SimResult, path: str) -> None:
         arena = d["arena"]
         unit = [arena["page_bytes"] if g.kind != "mamba" else arena["superblock_bytes"] for g in m.groups]
         held = [sum(n * b for n, b in zip(u, unit)) / GIB for u in usage]
-        plot_budget(ax, m.byte_series, steps, held)
+        plot_budget(ax, budget_series(result), steps, held)
         title = (f"{arena['superblocks']:,} superblocks x {arena['superblock_bytes'] / MIB:.2f} MiB "
                  f"(k = {arena['pages_per_superblock']} pages of {d.get('page_tokens')} tokens)")
     else:

@@ -19,7 +19,8 @@ at once (and MiB), and for Mamba groups the most blocks one request held (at mos
 tokens + steps in flight); then the pool's peak (decoupled: where the budget is at the end, in
 pages, states, the idle tails of state superblocks (fragmentation) and free superblocks, the mean
 and peak state bytes, and how many superblocks changed pool), whether every block came back, requests
-finished / rejected (a prompt of max_model_len tokens or more is rejected before the run), the
+finished / rejected (a request of more prompt + output tokens than max_model_len, --max-model-len,
+is rejected before the run), the
 prefix hit rate (cached / prompt tokens, each request counted at its first admission), for a
 trace the hit tokens by cause (shared first block / next turn / branch / repeat) and the tokens
 whose KV was cached where no Mamba state was (state missing), preemptions, evictions, state copies,

@@ -67,6 +67,22 @@ class HybridLayout(LayoutViews):
 
     Memory: ``group_size x num_blocks x page_size_bytes`` bytes, zero-filled (so the null
     block's row reads as zero in every view).
+
+    Attributes:
+        config, device, copy_backend: what the layout was built with.
+        group_size: raw tensors (the most layers of any group); page_size_bytes: bytes of one
+            row (a block of one layer); num_blocks: rows (``config.num_blocks``).
+        raw: the ``group_size`` raw uint8 tensors, ``[num_blocks, page_size_bytes]``.
+        bytes_per_block: bytes one block id costs, ``group_size x page_size_bytes``
+            (13,369,344 on Qwen3-Next; ``PagePlan.bytes_per_block``, ``HostTierSpec(block_bytes=)``).
+        total_bytes: ``num_blocks x bytes_per_block``.
+
+    Methods (:class:`~mambakv.device.layout_views.LayoutViews`): ``layer_slot(name)`` ->
+    ``(group id, raw tensor index)``; ``kv_cache(name)`` -> an attention layer's ``[num_blocks,
+    2, block_size, num_kv_heads, head_size]`` view (K then V); ``mamba_states(name)`` -> a Mamba
+    layer's views, one per state, ``[num_blocks, *shape]``; ``state_pool(gid)`` -> the
+    :class:`MambaStatePool` of Mamba group ``gid`` over these rows; ``mamba_group_ids()``.
+    An unknown layer name, or the wrong view for a layer's kind, raises InvalidSpecError.
     """
 
     def __init__(self, kv_cache_config: KVCacheConfig, device: Any = None, *,

@@ -14,8 +14,8 @@ from typing import Any, TypeVar, overload
 from mambakv.core.errors import ModelConfigError
 from mambakv.models.mixers import GatedDeltaNetDims, Mamba1Dims, Mamba2Dims, MixerDims
 
-__all__ = ["BLOCK_TYPES", "MAX_LAYERS", "NEMOTRON_LETTERS", "QWEN_LAYER_TYPES", "attention_dims",
-           "parse_layers_and_mixer"]
+__all__ = ["BLOCK_TYPES", "CONTEXT_LENGTH_KEYS", "MAX_LAYERS", "NEMOTRON_LETTERS", "QWEN_LAYER_TYPES",
+           "attention_dims", "context_length", "parse_layers_and_mixer"]
 
 # One rule for every family: every number is a real JSON int (not "48", 48.0 or true) of the
 # right sign, a layer pattern names exactly ``num_hidden_layers`` layers, and every layer kind
@@ -32,6 +32,15 @@ NEMOTRON_LETTERS = {"M": _MAM, "*": _ATT, "-": _NONE, "E": _NONE}
 #: Most layers a config may declare: public hybrid models have under 200; the bound stops a
 #: typo such as ``num_hidden_layers: 4800000000`` from building per-layer tuples without end.
 MAX_LAYERS = 10_000
+#: The key of the model's own context length (tokens) per family: every transformers family
+#: above spells it ``max_position_embeddings`` (Qwen3.5 inside ``text_config``, merged first);
+#: a ``mamba_ssm`` checkpoint (state-spaces/*) has none: an SSM has no position limit.
+CONTEXT_LENGTH_KEYS: dict[str, str | None] = {
+    "qwen3_next": "max_position_embeddings", "qwen3_5": "max_position_embeddings",
+    "nemotron_h": "max_position_embeddings", "granitemoehybrid": "max_position_embeddings",
+    "falcon_h1": "max_position_embeddings", "mamba2": "max_position_embeddings",
+    "mamba": "max_position_embeddings", "jamba": "max_position_embeddings", "mamba_ssm": None,
+}
 
 
 def _get(cfg: Mapping[str, Any], *keys: str, default: Any = _MISSING) -> Any:
@@ -124,6 +133,17 @@ def attention_dims(cfg: Mapping[str, Any], mt: str) -> tuple[int, int]:
                                    f"num_attention_heads {heads} (and there is no head_dim)")
         hd = hidden // heads
     return kv, hd
+
+
+def context_length(cfg: Mapping[str, Any], mt: str) -> int | None:
+    """The model's own context length (tokens) from its family's key (CONTEXT_LENGTH_KEYS), or
+    None when the config has none (``mambakv trace`` then uses its default max_model_len).
+
+    Raises:
+        ModelConfigError: the key is there but not a JSON integer >= 1.
+    """
+    key = CONTEXT_LENGTH_KEYS.get("qwen3_next" if mt.startswith("qwen3_next") else mt, "max_position_embeddings")
+    return None if key is None else _int(cfg, key, default=None)
 
 
 def parse_layers_and_mixer(cfg: Mapping[str, Any], mt: str

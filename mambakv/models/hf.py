@@ -32,6 +32,7 @@ from mambakv.models.families import (
     NEMOTRON_LETTERS,
     QWEN_LAYER_TYPES,
     attention_dims,
+    context_length,
     parse_layers_and_mixer,
 )
 from mambakv.models.mixers import GatedDeltaNetDims, Mamba1Dims, Mamba2Dims, MixerDims, split_per_rank
@@ -54,7 +55,9 @@ class HybridModel:
 
     ``attention_layers`` / ``mamba_layers`` are layer indices; Falcon-H1 has both in every
     layer, Nemotron-H has MLP-only layers in neither.  ``num_kv_heads`` / ``head_dim`` are 0
-    for a model without attention.
+    for a model without attention.  ``max_position_embeddings``: the model's own context length
+    in tokens (the config's key of that name, :data:`~mambakv.models.families.CONTEXT_LENGTH_KEYS`),
+    None when the config has none (``mamba_ssm`` checkpoints).
     """
 
     name: str
@@ -67,6 +70,7 @@ class HybridModel:
     dtype: str
     ssm_dtype: str
     mixer: MixerDims
+    max_position_embeddings: int | None = None
 
     @property
     def layer_kinds(self) -> tuple[tuple[LayerKind, ...], ...]:
@@ -140,16 +144,27 @@ def parse_config(cfg: Mapping[str, Any], name: str = "model") -> HybridModel:
         ssm_dtype = dtype_name(cfg.get("mamba_ssm_dtype") or dtype)
     except Exception as e:  # InvalidSpecError from dtype_name
         raise ModelConfigError(f"config.json: {e}") from None
-    return HybridModel(name, mt, n, att, mam, kv, hd, dtype, ssm_dtype, mixer)
+    return HybridModel(name, mt, n, att, mam, kv, hd, dtype, ssm_dtype, mixer, context_length(cfg, mt))
 
 
 def read_config(path: str | Path, name: str | None = None) -> HybridModel:
-    """Parse a ``config.json`` file, or the ``config.json`` inside a directory."""
+    """Parse a ``config.json`` file, or the ``config.json`` inside a directory.
+
+    The file is UTF-8, with or without a byte-order mark (an editor's "UTF-8 with BOM").
+    Messages name the file read (``nolayers.json lacks layer_types / layers_block_type``), not
+    ``config.json``.
+    """
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
     try:
-        cfg = json.loads(p.read_text())
+        cfg = json.loads(p.read_text(encoding="utf-8-sig"))
     except (OSError, ValueError) as e:
         raise ModelConfigError(f"cannot read {p}: {e}") from None
-    return parse_config(cfg, name or p.parent.name or p.stem)
+    try:
+        return parse_config(cfg, name or p.parent.name or p.stem)
+    except ModelConfigError as e:
+        msg = str(e)
+        if msg.startswith("config.json"):  # parse_config's messages name the file generically
+            raise ModelConfigError(f"{p}{msg[len('config.json'):]}") from None
+        raise

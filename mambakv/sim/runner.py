@@ -29,12 +29,13 @@ from mambakv.sim.scheduler import Scheduler, SimRequest
 from mambakv.sim.sim_result import SimResult
 from mambakv.sim.workloads import RequestSpec, conversations, load_trace, long_prefill
 
-__all__ = ["DEFAULT_MODEL", "GIB", "SimResult", "build_coordinator", "run_conversations", "run_replay",
-           "run_trace", "run_workload"]
+__all__ = ["DEFAULT_MODEL", "GIB", "SimResult", "build_coordinator", "model_max_len", "run_conversations",
+           "run_replay", "run_trace", "run_workload"]
 
 DEFAULT_MODEL = "qwen3-next-80b-a3b"
 GIB = 1 << 30
-#: Largest request the coordinator accepts (tokens); only a validation bound.
+#: Largest request the coordinator accepts (tokens) when nothing else says: the replay and chat
+#: workloads, and a trace on a model whose config has no context length (``mamba_ssm``).
 DEFAULT_MAX_MODEL_LEN = 1 << 21
 #: policy name -> (``MambaSpec.decode_checkpoints``, spares may evict a cached block). The first
 #: four are ``--decode-checkpoints`` values (``latest-evict``: a benchmark knob, spares may
@@ -122,6 +123,17 @@ def build_coordinator(model: str | Path = DEFAULT_MODEL, memory_gib: float = 60.
     return coord
 
 
+def model_max_len(model: str | Path) -> int:
+    """The model's own context length: ``max_position_embeddings`` of its config.json (the
+    packaged configs carry the public model's value; ``HybridModel.max_position_embeddings``),
+    or DEFAULT_MAX_MODEL_LEN when the config has none.  Qwen3-Next: 262,144.
+
+    Raises:
+        ModelConfigError: unknown model / unreadable config.
+    """
+    return load_model(model).max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+
+
 def _policy_name(coord: KVCacheCoordinator, mamba_policy: str | None) -> str | None:
     """The ``--mamba-policy`` / ``--decode-checkpoints`` name asked for, else the layout's default."""
     if mamba_policy is not None or not coord.mamba_managers:
@@ -149,12 +161,13 @@ def run_workload(coord: KVCacheCoordinator, specs: Sequence[RequestSpec], *, one
     """Run `specs` through a :class:`Scheduler` on `coord` (keyword arguments go to it).
     `build_s`: seconds it took to build `coord` (the result's wall time includes them).
 
-    A request whose prompt leaves no room for one output token (``num_prompt_tokens + 1 >
-    coord.max_model_len``) is rejected before the run, as an engine refuses it at admission:
-    it is counted in ``SimResult.rejected``, never scheduled, and its prompt is never built.
+    A request longer than the model allows (``num_prompt_tokens + output_len >
+    coord.max_model_len``) is rejected before the run, as an engine refuses a request whose
+    prompt plus ``max_tokens`` exceed its ``max_model_len``: it is counted in
+    ``SimResult.rejected``, never scheduled, and its prompt is never built.
     """
     limit = coord.max_model_len
-    kept = [s for s in specs if s.num_prompt_tokens + 1 <= limit]
+    kept = [s for s in specs if s.num_prompt_tokens + s.output_len <= limit]
     sched = Scheduler(coord, on_finish=on_finish, **scheduler_kwargs)
     metrics = sched.run(kept, one_at_a_time=one_at_a_time)
     return SimResult(coord, metrics, dict(settings or {}), rejected=len(specs) - len(kept), build_s=build_s)
@@ -203,7 +216,7 @@ def run_trace(path: str | Path, model: str | Path = DEFAULT_MODEL, *, memory_gib
               placement: Sequence[str] | None = None, eviction: str | None = None,
               hazard_table: str | Path | None = None, oracle_hints: bool = False,
               host_memory_gib: float | None = None, host_write: str = "through", host_eviction: str | None = None,
-              **kwargs: Any) -> SimResult:
+              max_model_len: int | None = None, **kwargs: Any) -> SimResult:
     """A Mooncake JSONL trace (first `limit` requests after the first `skip` lines) through the scheduler.
 
     `replay`: ``"strict"`` (equal ids = equal tokens) or ``"conversation"`` (a next turn begins
@@ -215,7 +228,9 @@ def run_trace(path: str | Path, model: str | Path = DEFAULT_MODEL, *, memory_gib
     set from the trace's future (``high`` when a later request of the window shares more than
     the first block with it, else ``low``): an oracle, reported as such. `host_memory_gib` /
     `host_write`: a host tier (``build_coordinator``); ``h2d_gbps=`` (a Scheduler keyword) times
-    its loads.
+    its loads. `max_model_len`: requests of more prompt + output tokens are rejected before the
+    run (``rejected``; :func:`run_workload`); None: the model's own context length
+    (:func:`model_max_len`).
 
     Raises:
         TraceFormatError: missing file or malformed line, `specs` not those of the trace;
@@ -226,6 +241,7 @@ def run_trace(path: str | Path, model: str | Path = DEFAULT_MODEL, *, memory_gib
     t0 = time.perf_counter()
     coord = build_coordinator(model, memory_gib, num_speculative_tokens=num_speculative_tokens,
                               use_eagle=use_eagle, num_blocks=num_blocks, mamba_policy=mamba_policy,
+                              max_model_len=model_max_len(model) if max_model_len is None else max_model_len,
                               max_num_seqs=max_num_seqs, layout=layout, page_tokens=page_tokens,
                               placement=placement, eviction=eviction, hazard_table=hazard_table,
                               host_memory_gib=host_memory_gib, host_write=host_write,

@@ -13,7 +13,6 @@ equal ids give equal tokens, so prefix sharing is exactly the trace's.
 from __future__ import annotations
 
 import json
-import math
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -23,13 +22,16 @@ import numpy as np
 
 from mambakv.core.errors import TraceFormatError
 
-__all__ = ["DEFAULT_VOCAB", "TRACE_BLOCK_TOKENS", "RequestSpec", "conversations", "load_trace",
+__all__ = ["DEFAULT_VOCAB", "MAX_TIMESTAMP_MS", "TRACE_BLOCK_TOKENS", "RequestSpec", "conversations", "load_trace",
            "fixed_prompt", "long_prefill", "trace_block_tokens"]
 
 #: Qwen3-Next's vocabulary size (``vocab_size`` in its config.json).
 DEFAULT_VOCAB = 151_936
 #: Tokens per hash id in the Mooncake trace.
 TRACE_BLOCK_TOKENS = 512
+#: Latest ``timestamp`` a trace line may carry (ms): 10**12 ms is ~31.7 years from the start of
+#: the trace; anything later is a unit mistake (ns, or an epoch in us), not an arrival time.
+MAX_TIMESTAMP_MS = 10**12
 #: Most prompt tokens :func:`conversations` may build (it holds every prompt: 2**28 int32 ids
 #: are 1 GiB), bounded with the longest message and output lengths.
 MAX_CHAT_TOKENS = 1 << 28
@@ -127,9 +129,11 @@ def _trace_row(path: Path, lineno: int, raw: bytes) -> tuple[float, int, int, li
         ts, n_in, n_out, ids = row["timestamp"], row["input_length"], row["output_length"], row["hash_ids"]
     except KeyError as e:
         raise bad(f"missing field {e.args[0]!r}") from None
-    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts) or ts < 0:
-        raise bad(f"timestamp must be a finite number >= 0, got {ts!r}")
-    for name, v, low in (("input_length", n_in, 1), ("output_length", n_out, 0)):
+    # compared before any float conversion: an int of 400 digits is refused, not an OverflowError
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not 0 <= ts <= MAX_TIMESTAMP_MS:
+        shown = repr(ts) if len(repr(ts)) <= 40 else f"{repr(ts)[:20]}... ({len(repr(ts))} characters)"
+        raise bad(f"timestamp must be a finite number of ms in [0, 10^12], got {shown}")
+    for name, v, low in (("input_length", n_in, 1), ("output_length", n_out, 1)):
         if not isinstance(v, int) or isinstance(v, bool) or v < low:
             raise bad(f"{name} must be an int >= {low}, got {v!r}")
     if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0
@@ -144,7 +148,8 @@ def iter_trace_rows(path: str | Path, *, skip: int = 0, limit: int | None = None
                     ) -> Iterator[tuple[float, int, int, list[int]]]:
     """The parsed request lines of a Mooncake trace, ``(timestamp ms, input_length,
     output_length, hash_ids)``, from line ``skip + 1``, at most `limit` of them, blank lines
-    skipped: the one reader of :func:`load_trace` and the conversation replay.
+    skipped: the one reader of :func:`load_trace` and the conversation replay.  Timestamps
+    must not decrease from one request line to the next (the lines read, from ``skip + 1``).
 
     Raises:
         TraceFormatError: as :func:`load_trace`.
@@ -159,6 +164,7 @@ def iter_trace_rows(path: str | Path, *, skip: int = 0, limit: int | None = None
     except OSError as e:
         raise TraceFormatError(f"cannot read trace {p}: {e.strerror or e}") from None
     count = 0
+    prev: tuple[int, float] | None = None  # (line, timestamp) of the previous request line
     with f:
         for lineno, line in enumerate(f, 1):
             if limit is not None and count >= limit:
@@ -167,6 +173,10 @@ def iter_trace_rows(path: str | Path, *, skip: int = 0, limit: int | None = None
                 continue
             row = _trace_row(p, lineno, line)
             if row is not None:
+                if prev is not None and row[0] < prev[1]:
+                    raise TraceFormatError(f"{p}: line {lineno}: timestamp {row[0]:g} is before line {prev[0]}'s "
+                                           f"{prev[1]:g}; a trace is in arrival order (sort it by timestamp)")
+                prev = (lineno, row[0])
                 count += 1
                 yield row
 
@@ -176,22 +186,23 @@ def load_trace(path: str | Path, *, limit: int | None = None, vocab: int = DEFAU
     """The first `limit` requests (all when None) of a Mooncake JSONL trace, starting at line
     ``skip + 1`` (the first `skip` lines are not read as requests; ids are ``trace-{skip + k}``).
 
-    ``output_len = max(1, output_length)``, capped at `max_output_tokens` when given. Blank
-    lines are skipped.  Requests are returned in file order (the trace is sorted by time).
+    ``output_len = output_length``, capped at `max_output_tokens` when given. Blank lines are
+    skipped.  Requests are returned in file order, which must be arrival order.  A request
+    longer than the model allows is not an error here: the run rejects it (``run_workload``).
 
     Raises:
         TraceFormatError: the file cannot be read, or a line is malformed: not UTF-8, not a
-            JSON object, a missing field, a timestamp that is not a finite number >= 0 (JSON
-            ``NaN`` / ``Infinity`` are refused), bad lengths or hash ids (the message names the
-            file and the 1-based line number); `limit` <= 0, `skip` < 0, or no request after
-            line `skip`.
+            JSON object, a missing field, a timestamp that is not a number of ms in
+            ``[0, MAX_TIMESTAMP_MS]`` (JSON ``NaN`` / ``Infinity`` are refused), a timestamp
+            below the previous request line's, an ``input_length`` or ``output_length`` that is
+            not an int >= 1, bad hash ids (the message names the file and the 1-based line
+            number); `limit` <= 0, `skip` < 0, or no request after line `skip`.
     """
     p = Path(path)
     tokens = _BlockTokens(vocab)
     out: list[RequestSpec] = []
     for row in iter_trace_rows(p, skip=skip, limit=limit):
         ts, n_in, n_out, ids = row
-        n_out = max(1, n_out)
         if max_output_tokens is not None:
             n_out = min(n_out, max(1, max_output_tokens))
 
