@@ -234,12 +234,11 @@ GOOD_ROW = {"timestamp": 50, "input_length": 600, "output_length": 2, "hash_ids"
     (dict(GOOD_ROW, output_length=-3), "output_length must be an int >= 1, got -3"),
 ])
 def test_cli_bad_trace_line_exit_2_before_any_work(tmp_path, monkeypatch, capsys, command, row, why):
-    import mambakv.cli.fleet as cli_fleet
     import mambakv.sim as sim
+    import mambakv.sim.fleet as sim_fleet
 
     monkeypatch.setattr(sim, "run_trace", lambda *a, **k: pytest.fail("ran a trace with a bad line"))
-    monkeypatch.setattr(cli_fleet, "_run_fleet", lambda *a, **k: pytest.fail("ran a trace with a bad line"),
-                        raising=False)
+    monkeypatch.setattr(sim_fleet, "run_fleet", lambda *a, **k: pytest.fail("ran a trace with a bad line"))
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps(GOOD_ROW) + "\n" + json.dumps(row) + "\n")
     assert main([command, str(path), "--quiet"]) == 2

@@ -525,13 +525,12 @@ def test_save_hazard_table_folder_checked_before_the_run(tmp_path, capsys):
 
 def _no_run(monkeypatch):
     """Any simulated run fails the test: the command must refuse before any work."""
-    import mambakv.cli.fleet as cli_fleet
     import mambakv.sim as sim
+    import mambakv.sim.fleet as sim_fleet
 
     for name in ("run_replay", "run_trace", "run_conversations"):
         monkeypatch.setattr(sim, name, lambda *a, **k: pytest.fail("ran before checking its output paths"))
-    monkeypatch.setattr(cli_fleet, "_run_fleet", lambda *a, **k: pytest.fail("ran before checking its output paths"),
-                        raising=False)
+    monkeypatch.setattr(sim_fleet, "run_fleet", lambda *a, **k: pytest.fail("ran before checking its output paths"))
 
 
 @pytest.mark.parametrize("flag, target, why", [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mambakv.cli.args import (
     COUNT,
@@ -21,11 +21,8 @@ from mambakv.cli.plot import check_plot_path
 from mambakv.models.kv_config import LAYOUTS
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
 
-    from mambakv.sim.fleet import FleetResult
-    from mambakv.sim.sim_request import SimRequest
-    from mambakv.sim.workloads import RequestSpec
+    pass
 
 __all__ = ["FLEET_INDEXES", "FLEET_LOAD_BOUND", "FLEET_ROUTERS", "add_fleet_arguments", "run_fleet_command"]
 
@@ -69,6 +66,7 @@ def run_fleet_command(args: argparse.Namespace) -> str:
     from mambakv.cli.fleet_report import format_fleet_report
     from mambakv.cli.plot import write_fleet_plot
     from mambakv.sim import DEFAULT_MODEL, load_trace
+    from mambakv.sim.fleet import run_fleet
     from mambakv.sim.runner import model_max_len
 
     check_plot_path(args.plot)
@@ -77,7 +75,12 @@ def run_fleet_command(args: argparse.Namespace) -> str:
     specs = load_trace(args.path, limit=args.limit, skip=args.skip)
     bar = progress(len(specs), args.quiet)
     try:
-        result = _run_fleet(args, model, specs, max_len, (lambda _r: bar.update(1)) if bar is not None else None)
+        result = run_fleet(args.path, model, instances=args.instances, router=args.router, load_bound=args.load_bound,
+                           index=args.index, memory_gib=args.memory_gib, limit=args.limit, skip=args.skip,
+                           replay=args.replay, max_num_seqs=args.max_num_seqs, specs=specs, layout=args.layout,
+                           max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                           step_ms=args.step_ms, ms_per_token=args.ms_per_token, seed=args.seed,
+                           on_finish=(lambda _r: bar.update(1)) if bar is not None else None)
     finally:
         if bar is not None:
             bar.close()
@@ -88,38 +91,3 @@ def run_fleet_command(args: argparse.Namespace) -> str:
         write_fleet_plot(d, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return json.dumps(d, indent=1) if args.json else format_fleet_report(d)
-
-
-def _run_fleet(args: argparse.Namespace, model: str, specs: Sequence[RequestSpec], max_model_len: int,
-               on_finish: Callable[[SimRequest], None] | None) -> FleetResult:
-    """:func:`mambakv.sim.fleet.run_fleet` with a max_model_len: its coordinators are built with
-    `max_model_len` and a request of more prompt + output tokens is rejected before the run
-    (``rejected``), as ``mambakv trace`` does (``run_fleet`` itself keeps its prompt + 1 rule
-    and the 2**21 bound; the settings and the result are its own)."""
-    from mambakv.coordinator import KVCacheCoordinator
-    from mambakv.sim.conversation import chain_hooks, prepare_replay
-    from mambakv.sim.fleet import Fleet, FleetResult
-    from mambakv.sim.runner import build_coordinator
-
-    specs, conv, hooks = prepare_replay(specs, args.path, skip=args.skip, limit=args.limit, replay=args.replay)
-    if on_finish is not None:
-        hooks.append(on_finish)
-    base = build_coordinator(model, args.memory_gib, max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
-                             layout=args.layout)
-    kv = args.router == "kv"  # the kv router reads each instance's KV events
-    coords = [KVCacheCoordinator(base.kv_cache_config, max_model_len=max_model_len, enable_kv_cache_events=kv,
-                                 max_num_seqs=args.max_num_seqs) for _ in range(args.instances)]
-    kept = [s for s in specs if s.num_prompt_tokens + s.output_len <= max_model_len]
-    fleet = Fleet(coords, args.router, load_bound=args.load_bound, index=args.index, on_finish=chain_hooks(hooks),
-                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  step_ms=args.step_ms, ms_per_token=args.ms_per_token, seed=args.seed)
-    fleet.run(kept)
-    settings: dict[str, Any] = {
-        "workload": "fleet", "trace": str(args.path), "model": str(model), "instances": args.instances,
-        "router": args.router, "load_bound": args.load_bound, "index": args.index if kv else None,
-        "memory_gib": args.memory_gib, "layout": args.layout, "replay": args.replay, "skip": args.skip,
-        "limit": args.limit, "max_num_seqs": args.max_num_seqs, "max_model_len": max_model_len}
-    result = FleetResult(fleet, settings, rejected=len(specs) - len(kept))
-    if args.replay == "conversation":
-        result.extra.update(conversation_children=conv.num_children, strict_fallbacks=conv.strict_fallbacks)
-    return result

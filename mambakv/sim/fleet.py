@@ -41,7 +41,7 @@ from mambakv.events.announce import RouterAnnouncer
 from mambakv.groups import group_block_hashes
 from mambakv.sim.conversation import REPLAY_MODES, chain_hooks, prepare_replay
 from mambakv.sim.router import DEFAULT_LOAD_BOUND, ROUTERS, DynamoIndex, PrefixIndex, RouterKind, choose, least_loaded
-from mambakv.sim.runner import DEFAULT_MODEL, build_coordinator
+from mambakv.sim.runner import DEFAULT_MAX_MODEL_LEN, DEFAULT_MODEL, build_coordinator
 from mambakv.sim.scheduler import Scheduler
 from mambakv.sim.sim_request import SimRequest
 from mambakv.sim.workloads import RequestSpec, load_trace
@@ -291,14 +291,16 @@ def run_fleet(path: str | Path, model: str | Path = DEFAULT_MODEL, *, instances:
               memory_gib: float = 60.0, limit: int | None = None, skip: int = 0, replay: str = "strict",
               max_num_seqs: int = 256, max_output_tokens: int | None = None,
               specs: Sequence[RequestSpec] | None = None, on_finish: Callable[[SimRequest], None] | None = None,
-              num_blocks: int | None = None, layout: str = "unified", **scheduler_kwargs: Any) -> FleetResult:
+              num_blocks: int | None = None, layout: str = "unified", max_model_len: int | None = None,
+              **scheduler_kwargs: Any) -> FleetResult:
     """A Mooncake trace (first `limit` requests after `skip` lines) through `instances`
     schedulers of `memory_gib` GiB each behind `router` (module docstring), each in `layout`
     (as ``build_kv_cache_config``; routers see the attention pages' events).
 
     `replay` as in :func:`~mambakv.sim.runner.run_trace`; `specs`, when given, must be the
-    trace's (``load_trace(path, limit=limit, skip=skip, ...)``). Prompts that cannot fit
-    ``max_model_len`` are rejected before the run (``rejected``).
+    trace's (``load_trace(path, limit=limit, skip=skip, ...)``). `max_model_len`: the instances'
+    (None: ``DEFAULT_MAX_MODEL_LEN``); a request of more prompt + output tokens is rejected
+    before the run (``rejected``), as :func:`~mambakv.sim.runner.run_workload` does.
 
     Raises:
         InvalidSpecError: `instances` < 1, unknown router / index / replay, a bound < 1;
@@ -317,19 +319,20 @@ def run_fleet(path: str | Path, model: str | Path = DEFAULT_MODEL, *, instances:
         hooks.append(on_finish)
     finished = chain_hooks(hooks)
 
-    base = build_coordinator(model, memory_gib, num_blocks=num_blocks, max_num_seqs=max_num_seqs, layout=layout)
+    base = build_coordinator(model, memory_gib, num_blocks=num_blocks, max_num_seqs=max_num_seqs, layout=layout,
+                             max_model_len=DEFAULT_MAX_MODEL_LEN if max_model_len is None else max_model_len)
     kv = router == RouterKind.KV.value  # the kv router reads each instance's KV events
     coords = [KVCacheCoordinator(base.kv_cache_config, max_model_len=base.max_model_len, enable_kv_cache_events=kv,
                                  max_num_seqs=max_num_seqs) for _ in range(instances)]
     limit_len = coords[0].max_model_len
-    kept = [s for s in specs if s.num_prompt_tokens + 1 <= limit_len]
+    kept = [s for s in specs if s.num_prompt_tokens + s.output_len <= limit_len]
     fleet = Fleet(coords, router, load_bound=load_bound, index=index, on_finish=finished,
                   max_num_seqs=max_num_seqs, **scheduler_kwargs)
     fleet.run(kept)
     settings = {"workload": "fleet", "trace": str(path), "model": str(model), "instances": instances,
                 "router": router, "load_bound": load_bound, "index": index if router == "kv" else None,
                 "memory_gib": memory_gib, "layout": layout, "replay": replay, "skip": skip, "limit": limit,
-                "max_num_seqs": max_num_seqs}
+                "max_num_seqs": max_num_seqs, "max_model_len": limit_len}
     result = FleetResult(fleet, settings, rejected=len(specs) - len(kept))
     if replay == "conversation":
         result.extra.update(conversation_children=conv.num_children, strict_fallbacks=conv.strict_fallbacks)
