@@ -57,7 +57,7 @@ A host tier (``host_tier=``) is an object the coordinator holds (:class:`~mambak
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import compress
 from typing import NoReturn
 
@@ -364,6 +364,8 @@ class KVCacheCoordinator:
         #: a Mamba group may have copies / zeros to drain (set with its new blocks), checkpoint
         #: writes (set by every step that reached a Mamba policy)
         self._copies_pending = self._zeros_pending = self._writes_pending = False
+        #: post-verify copies of ``retire(..., num_accepted_drafts=)`` not yet taken
+        self._verify_copies: dict[int, list[tuple[int, int]]] = {}
         self.num_steps = 0
         #: the rules ``next_chunk_end`` follows (mambakv.placement)
         self.checkpoint_placement = resolve_placement(checkpoint_placement, kv_cache_config.layout)
@@ -691,19 +693,31 @@ class KVCacheCoordinator:
                    for m, cols in zip(self.policies, self._columns))
 
     def can_allocate(self, request: Request, num_new_tokens: int, *, num_new_computed_tokens: int = 0,
-                     new_computed_blocks: KVCacheBlocks | None = None, num_lookahead_tokens: int = 0) -> bool:
+                     new_computed_blocks: KVCacheBlocks | None = None, num_lookahead_tokens: int = 0,
+                     whole_prompt: bool = False, watermark: float = 0.0) -> bool:
         """Whether ``allocate`` with these arguments would find room now (its own count; free hit
         blocks included), in either layout. Read-only; pins and checks nothing.
+
+        Admission gates (vLLM's): `whole_prompt` asks for room for the request's whole prompt
+        (``num_prompt_tokens``, or more when `num_new_tokens` reaches past it) instead of the
+        step's tokens; `watermark` (a fraction in ``[0, 1)``) asks that this much of the cache
+        stays free after the step: unified ``watermark x (num_blocks - 1)`` blocks, decoupled
+        ``watermark`` of the arena's bytes in whole pages. Both are exact in either layout.
 
         Raises:
             InvalidTokenCountError: a negative or non-int count, or more than ``max_model_len``
                 tokens (``allocate`` raises it too).
             InvalidRequestError: `request` is not a Request.
+            InvalidSpecError: `watermark` outside ``[0, 1)``.
         """
         if not isinstance(request, Request):
             raise InvalidRequestError(f"can_allocate needs a Request, got {type(request).__name__}")
+        if not (isinstance(watermark, (int, float)) and not isinstance(watermark, bool) and 0 <= watermark < 1):
+            raise InvalidSpecError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
         num_computed = request.num_computed_tokens + as_count(num_new_computed_tokens, "num_new_computed_tokens")
         num_tokens = num_computed + as_count(num_new_tokens, "num_new_tokens")
+        if whole_prompt and num_tokens < request.num_prompt_tokens:
+            num_tokens = request.num_prompt_tokens
         if num_tokens > self.max_model_len:
             raise InvalidTokenCountError(f"request {request.request_id!r} would reach {num_tokens} tokens > "
                                          f"max_model_len {self.max_model_len}")
@@ -713,13 +727,21 @@ class KVCacheCoordinator:
         pages, slots = self._count_pools(request.request_id, num_tokens, self.policies, policy_hits, num_computed,
                                          lookahead)
         if self.arena is None:
-            return pages + slots <= self.block_pool.get_num_free_blocks()
-        return self.arena.can_supply(pages, slots, (b for h in hits for b in h))
+            keep = math.ceil(watermark * (self.block_pool.num_blocks - 1))
+            return pages + slots + keep <= self.block_pool.get_num_free_blocks()
+        g = self.arena.geometry
+        keep = math.ceil(watermark * g.total_bytes / g.page_bytes)  # the free bytes kept, in whole pages
+        return self.arena.can_supply(pages + keep, slots, (b for h in hits for b in h))
 
     # ------------------------------------------------------------------ step results
-    def retire(self, request_id: str, num_processed_tokens: int) -> None:
+    def retire(self, request_id: str, num_processed_tokens: int, *, num_accepted_drafts: int | None = None) -> None:
         """Outputs came back: `num_processed_tokens` (settled, never the optimistic scheduled
-        count) of the request are processed. First publish what is now known (attention blocks
+        count) of the request are processed. `num_accepted_drafts` (keyword): the verify of the
+        request's oldest step with drafts came back with that many accepted, for an engine that
+        makes no separate ``accept_drafts`` call: the same as ``accept_drafts(request_id, a)``
+        then ``retire``, except that the post-verify copies are kept for
+        ``take_verify_copies()`` instead of being returned (run them after the verified step's
+        forward, before the next step's ``take_copy_plan`` copies). First publish what is now known (attention blocks
         full within the processed real tokens, Mamba states that settled), then retire what no
         group needs any more. Idempotent; a request holding no blocks is a no-op, and so is a
         count below an earlier one (a retired block cannot come back; vLLM lowers
@@ -732,6 +754,8 @@ class KVCacheCoordinator:
                 has not come.
             InvalidRequestError: `request_id` is not a str.
         """
+        if num_accepted_drafts is not None:
+            self._accept_into_plan(request_id, num_accepted_drafts)
         if type(num_processed_tokens) is not int:
             num_processed_tokens = as_count(num_processed_tokens, "num_processed_tokens")
         elif num_processed_tokens < 0:
@@ -790,6 +814,29 @@ class KVCacheCoordinator:
             self.units.settle()
         return out
 
+    def _accept_into_plan(self, request_id: str, num_accepted: int) -> None:
+        """``accept_drafts`` whose copies are kept for ``take_verify_copies``."""
+        for gid, pairs in self.accept_drafts(request_id, num_accepted).items():
+            self._verify_copies.setdefault(gid, []).extend(pairs)
+
+    def take_verify_copies(self) -> dict[int, list[tuple[int, int]]]:
+        """Per Mamba group, the post-verify copies of the ``retire(..., num_accepted_drafts=)`` /
+        ``update_from_output`` calls since the last call, in call order (each request's pairs as
+        ``accept_drafts`` returns them; requests never share a block). Run them after the
+        verified steps' forward and before the pre-forward copies of ``take_copy_plan``: a copy
+        plan's source may be the running block they write (DESIGN.md 5.1, the order of copies)."""
+        copies, self._verify_copies = self._verify_copies, {}
+        return copies
+
+    def update_from_output(self, outputs: Mapping[str, tuple[int, int | None]]) -> None:
+        """Settle a whole step's outputs in one call: for each request id, ``(processed tokens,
+        accepted drafts or None)`` as ``retire(request_id, n, num_accepted_drafts=a)`` (requests
+        in the mapping's order). For an engine without per-request bookkeeping.
+
+        Raises: as ``retire``, for the first request that fails (the earlier ones stay settled)."""
+        for rid, (num_processed, num_accepted) in outputs.items():
+            self.retire(rid, num_processed, num_accepted_drafts=num_accepted)
+
     def set_now(self, now: float) -> None:
         """Set the engine's clock (seconds on a monotonic clock; ``allocate``, ``free`` and
         ``get_computed_blocks_tiered`` take it as ``now=``). The clock never runs backwards: an
@@ -837,6 +884,10 @@ class KVCacheCoordinator:
             self.set_now(now)
         units = self.units
         tables = [list(m.req_to_blocks.get(request_id, ())) for m in self._unit_tables] if units is not None else None
+        if self._verify_copies:  # a freed request's post-verify copies must not write its reused blocks
+            freed = {b.block_id for m in self.mamba_managers for b in m.req_to_blocks.get(request_id, ())}
+            for gid, pairs in self._verify_copies.items():
+                self._verify_copies[gid] = [p for p in pairs if p[1] not in freed]
         for m in self.policies:
             m.free(request_id)
         live = self._live.pop(request_id, None)
@@ -867,9 +918,10 @@ class KVCacheCoordinator:
         return [r.request_id for r in requests] + loading
 
     # ------------------------------------------------------------------ prefix hits
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+    def get_computed_blocks(self, request: Request, *, max_length: int | None = None) -> tuple[KVCacheBlocks, int]:
         """The longest prefix of `request` cached in every group, capped at
-        ``num_tokens - 1`` (the last token is recomputed for its logits).
+        ``num_tokens - 1`` (the last token is recomputed for its logits) and at `max_length`
+        tokens when given (an engine's own cap, e.g. a prompt-cache limit).
 
         Each group may only shorten the candidate length; groups are re-queried until none
         shortens it (fixed point), lengths aligned to the LCM of the block sizes. With
@@ -882,13 +934,16 @@ class KVCacheCoordinator:
         Raises:
             InvalidRequestError: `request` is not a Request.
             HashBlockSizeMismatchError: the request hashes with another block size.
+            InvalidTokenCountError: `max_length` is not None nor an int >= 0.
         """
         if not isinstance(request, Request):
             raise InvalidRequestError(f"get_computed_blocks needs a Request, got {type(request).__name__}")
+        if max_length is not None:
+            max_length = as_count(max_length, "max_length")
         request.set_hash_block_size(self.hash_block_size)
         if not self.enable_caching:
             return self._empty_blocks, 0
-        hits, length = self._hits.find(request, use_eagle=self.use_eagle)
+        hits, length = self._hits.find(request, use_eagle=self.use_eagle, max_length=max_length)
         if not length:
             return self._empty_blocks, 0
         found = tuple(hits)
@@ -1117,6 +1172,26 @@ class KVCacheCoordinator:
         if type(request_id) is not str:
             raise InvalidRequestError(f"request ids are strs, got {type(request_id).__name__} {request_id!r}")
         return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.managers)
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        """The request's tables as blocks, one list per group (copies: change them freely; null
+        entries are the null block; empty lists for a request that holds none).
+
+        Raises:
+            InvalidRequestError: `request_id` is not a str."""
+        if type(request_id) is not str:
+            raise InvalidRequestError(f"request ids are strs, got {type(request_id).__name__} {request_id!r}")
+        tables = tuple([*m.req_to_blocks.get(request_id, ())] for m in self.managers)
+        return KVCacheBlocks(tables, tables)
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """Take the prefix-cache statistics counted since the last call (or since the start)
+        and start new ones: what an engine's metrics loop reads once per interval (vLLM's
+        name). ``prefix_cache_stats`` is the new, empty object afterwards."""
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        if self._host is not None:
+            self._host.stats = self.prefix_cache_stats
+        return stats
 
     def describe(self, request_id: str) -> RequestView | None:
         """A read-only snapshot of a live request: its token counts and, per group, its table

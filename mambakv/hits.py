@@ -93,12 +93,14 @@ class PrefixHitFinder:
         out.sort(key=lambda lg: lg.manager_class.kind is not GroupKind.FULL_ATTENTION)
         return out
 
-    def find(self, request: Request, *, use_eagle: bool = False) -> tuple[list[list[KVCacheBlock]], int]:
-        """Hit blocks per group and the hit length in tokens, capped at ``num_tokens - 1``:
-        the fixed point; with `use_eagle` (the drafter recomputes the last hit position), the
-        fixed point again from one aligned length below it (exactly once)."""
+    def find(self, request: Request, *, use_eagle: bool = False,
+             max_length: int | None = None) -> tuple[list[list[KVCacheBlock]], int]:
+        """Hit blocks per group and the hit length in tokens, capped at ``num_tokens - 1`` (and
+        at `max_length`): the fixed point; with `use_eagle` (the drafter recomputes the last hit
+        position), the fixed point again from one aligned length below it (exactly once)."""
         align = self.alignment_tokens
-        length = (request.num_tokens - 1) // align * align
+        top = request.num_tokens - 1 if max_length is None else min(request.num_tokens - 1, max_length)
+        length = top // align * align
         hits, length = self._fixed_point(request, length)
         if use_eagle and length > 0:
             hits, length = self._fixed_point(request, length - align)

@@ -1,0 +1,147 @@
+"""The engine-facing calls of issue 30 that need no per-request bookkeeping in the engine:
+``get_blocks``, a capped ``get_computed_blocks``, ``make_prefix_cache_stats``,
+``retire(..., num_accepted_drafts=)`` with ``take_verify_copies``, ``update_from_output``, and the
+admission gates of ``can_allocate`` (the whole prompt, a watermark) in both layouts."""
+
+from __future__ import annotations
+
+import pytest
+
+from mambakv import (
+    FullAttentionSpec,
+    InvalidRequestError,
+    InvalidSpecError,
+    InvalidTokenCountError,
+    KVCacheConfig,
+    KVCacheCoordinator,
+    KVCacheGroupSpec,
+    MambaSpec,
+    Request,
+)
+from mambakv.core.arena import SuperblockGeometry
+from tests.helpers import STATE_DTYPES, STATE_SHAPES
+
+BS = 16
+ATTN = FullAttentionSpec(BS, num_kv_heads=1, head_size=8, dtype="bfloat16")
+
+
+def build(num_blocks: int = 40, nspec: int = 2, layout: str = "unified") -> KVCacheCoordinator:
+    mamba = MambaSpec(BS, STATE_SHAPES, STATE_DTYPES, mode="align", num_speculative_blocks=nspec)
+    groups = [KVCacheGroupSpec(["a"], ATTN), KVCacheGroupSpec(["m"], mamba)]
+    if layout == "unified":
+        return KVCacheCoordinator(KVCacheConfig(num_blocks, groups), max_model_len=512)
+    geo = SuperblockGeometry(num_blocks, 1, ATTN.page_size_bytes, mamba.raw_page_size_bytes)
+    return KVCacheCoordinator(KVCacheConfig(geo.num_pages, groups, geo), max_model_len=512)
+
+
+def run_prompt(coord: KVCacheCoordinator, rid: str, prompt: list[int]) -> Request:
+    req = Request(rid, prompt)
+    blocks, hit = coord.get_computed_blocks(req)
+    assert coord.allocate(req, len(prompt) - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks,
+                          num_draft_tokens=0) is not None
+    req.num_computed_tokens = len(prompt)
+    coord.retire(rid, len(prompt))
+    return req
+
+
+def test_get_blocks_returns_copies_of_the_tables() -> None:
+    coord = build()
+    run_prompt(coord, "a", list(range(40)))
+    blocks = coord.get_blocks("a")
+    assert blocks.get_block_ids() == coord.get_block_ids("a")
+    blocks.blocks[0].append(coord.block_pool.null_block)  # a copy: the table is unchanged
+    assert coord.get_block_ids("a")[0] == [1, 2, 3]
+    assert coord.get_blocks("none").get_block_ids() == ([], [])
+    with pytest.raises(InvalidRequestError):
+        coord.get_blocks(7)  # type: ignore[arg-type]
+
+
+def test_a_capped_hit() -> None:
+    """A 64-token prompt in chunks of 16, each retired, publishes states at 16, 32, 48 and 64. A
+    repeat of 70 tokens hits 64 (the deepest state below 69); capped at 40 tokens it hits 32."""
+    coord = build(60)
+    req = Request("a", list(range(64)))
+    for end in (16, 32, 48, 64):
+        assert coord.allocate(req, end - req.num_computed_tokens, num_draft_tokens=0) is not None
+        req.num_computed_tokens = end
+        coord.retire("a", end)
+    again = Request("b", list(range(64)) + [1, 2, 3, 4, 5, 6])
+    assert coord.get_computed_blocks(again)[1] == 64
+    assert coord.get_computed_blocks(again, max_length=40)[1] == 32
+    assert coord.get_computed_blocks(again, max_length=0)[1] == 0
+    with pytest.raises(InvalidTokenCountError):
+        coord.get_computed_blocks(again, max_length=-1)
+
+
+def test_make_prefix_cache_stats_takes_and_resets() -> None:
+    coord = build(60)
+    run_prompt(coord, "a", list(range(40)))
+    stats = coord.make_prefix_cache_stats()
+    assert (stats.requests, stats.queries, stats.hits) == (1, 40, 0)
+    assert coord.prefix_cache_stats.requests == 0
+    run_prompt(coord, "b", list(range(40)))
+    assert coord.make_prefix_cache_stats().requests == 1
+
+
+@pytest.mark.parametrize("accepted", [0, 1, 2])
+def test_retire_with_accepted_drafts_equals_accept_then_retire(accepted: int) -> None:
+    """Two coordinators, one step of 1 + 2 drafts after a 32-token prompt: side A calls
+    accept_drafts then retire, side B retire(..., num_accepted_drafts=). Same tables, same
+    copies (B's through take_verify_copies), same published states afterwards."""
+    sides = []
+    for one_call in (False, True):
+        coord = build(60)
+        req = run_prompt(coord, "a", list(range(32)))
+        req.append_output_token_ids([5])
+        assert coord.allocate(req, 3, num_draft_tokens=2) is not None
+        coord.take_step_plan()
+        req.num_computed_tokens = 32 + 1 + accepted
+        req.append_output_token_ids([6] * accepted)
+        if one_call:
+            coord.retire("a", 32 + 1 + accepted, num_accepted_drafts=accepted)
+            copies = coord.take_verify_copies()
+        else:
+            copies = coord.accept_drafts("a", accepted)
+            coord.retire("a", 32 + 1 + accepted)
+        coord.check_invariants()
+        sides.append((copies, coord.get_block_ids("a"), coord.describe("a")))
+    assert sides[0] == sides[1]
+    assert (sides[0][0] != {}) == (accepted > 0)
+
+
+def test_update_from_output_settles_a_step() -> None:
+    coord = build(60)
+    a, b = Request("a", list(range(20))), Request("b", list(range(100, 140)))
+    for r in (a, b):
+        assert coord.allocate(r, r.num_prompt_tokens, num_draft_tokens=0) is not None
+        r.num_computed_tokens = r.num_prompt_tokens
+    a.append_output_token_ids([1])
+    assert coord.allocate(a, 2, num_draft_tokens=1) is not None
+    a.num_computed_tokens = 22
+    coord.update_from_output({"a": (21, 0), "b": (40, None)})  # a's draft rejected
+    assert coord.take_verify_copies() == {}
+    view = coord.describe("a")
+    assert view is not None and view.tables[1].verify_steps == ()
+    coord.check_invariants()
+
+
+@pytest.mark.parametrize("layout", ["unified", "decoupled"])
+def test_admission_gates(layout: str) -> None:
+    """40 blocks (unified) or 40 one-page superblocks (decoupled): 39 usable. A 300-token
+    prompt's whole prompt needs 19 attention blocks + 1 + 2 Mamba blocks = 22 <= 39; its first
+    chunk of 64 needs 4 + 3 = 7. After a 320-token request holds 20 + 3 = 23, 16 are free: the
+    first chunk fits, the whole prompt (22) does not; a watermark of 0.25 keeps ceil(0.25 x 39) =
+    10 free (unified; decoupled: a quarter of 40 pages of budget, 10), so 7 + 10 > 16 fails."""
+    coord = build(40, 2, layout)
+    big = Request("big", list(range(1000, 1320)))
+    assert coord.allocate(big, 320, num_draft_tokens=0) is not None
+    new = Request("n", list(range(300)))
+    assert coord.can_allocate(new, 64)
+    assert not coord.can_allocate(new, 64, whole_prompt=True)
+    assert not coord.can_allocate(new, 64, watermark=0.25)
+    assert coord.can_allocate(new, 64, watermark=0.2)  # ceil(0.2 x 39) = 8 (decoupled 8): 7 + 8 <= 16
+    coord.free("big")
+    assert coord.can_allocate(new, 64, whole_prompt=True, watermark=0.25)
+    for bad in (1.0, -0.1, "0.1", True):
+        with pytest.raises(InvalidSpecError):
+            coord.can_allocate(new, 64, watermark=bad)  # type: ignore[arg-type]
