@@ -235,3 +235,21 @@ def test_bad_sweeps_exit_2_before_any_point(small_trace: Path, argv: list[str], 
     assert main(["sweep", str(small_trace), "--quiet", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("mambakv: error:") and needle in err and err.count("\n") == 1
+
+
+def test_real_ray_gives_the_process_pool_records(small_trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A local Ray instance (the extra mambakv[ray]; skipped without it): the same points as two
+    worker processes, record for record apart from timings."""
+    ray = pytest.importorskip("ray")
+    argv = ["sweep", str(small_trace), "--memory-gib", "4,8", "--layout", "unified,decoupled", "--one-at-a-time",
+            "--json", "--quiet"]
+    assert main([*argv, "--workers", "2"]) == 0
+    pooled = json.loads(capsys.readouterr().out)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        assert main([*argv, "--ray"]) == 0  # joins the running local instance
+        on_ray = json.loads(capsys.readouterr().out)
+    finally:
+        ray.shutdown()
+    assert len(pooled) == 4
+    assert [without_timings(d) for d in on_ray] == [without_timings(d) for d in pooled]
