@@ -1,0 +1,162 @@
+"""mambakv inside vLLM 0.33.0's real Scheduler (CPU, fake model outputs, seeded random
+workloads): attention-only runs are identical to vLLM's own KVCacheManager step for step
+(scheduled tokens, computed tokens, new and resumed block ids, the worker's append-only
+tables, preemptions, finishes, free blocks, usage, KV events, prefix-cache stats, the tokens
+out), synchronous and async, with the whole-prompt gate on and off, a watermark, and drafts.
+Skipped without vLLM (``scripts/install_vllm_cpu.sh`` installs it)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+harness = pytest.importorskip("tests.integrations.vllm_harness")
+integration = pytest.importorskip("mambakv.integrations.vllm")
+VllmScheduler = importlib.import_module("vllm.v1.core.sched.scheduler").Scheduler
+VllmAsyncScheduler = importlib.import_module("vllm.v1.core.sched.async_scheduler").AsyncScheduler
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path: Path = harness.write_model(tmp_path_factory.mktemp("tiny-llama"))
+    return path
+
+
+def check(sched: Any) -> None:
+    sched.kv_cache_manager.check_invariants()
+
+
+def both(model: Path, work: list[Any], num_blocks: int, *, in_flight: int, num_drafts: int = 0,
+         **config: Any) -> tuple[Any, Any]:
+    """The same workload on mambakv's scheduler class and on vLLM's own."""
+    ours_cls, theirs_cls = ((integration.AsyncScheduler, VllmAsyncScheduler) if in_flight
+                            else (integration.Scheduler, VllmScheduler))
+    runs = []
+    for cls in (ours_cls, theirs_cls):
+        sched = harness.make_scheduler(cls, harness.make_vllm_config(model, async_scheduling=bool(in_flight),
+                                                                     **config), num_blocks)
+        runs.append(harness.drive(sched, work, in_flight=in_flight, num_drafts=num_drafts,
+                                  check=check if cls is ours_cls else None))
+    return runs[0], runs[1]
+
+
+def assert_identical(ours: Any, theirs: Any) -> None:
+    for i, (a, b) in enumerate(zip(ours.steps, theirs.steps)):
+        assert a == b, f"step {i} differs"
+    assert len(ours.steps) == len(theirs.steps)
+    assert ours.finished == theirs.finished
+    assert ours.stats == theirs.stats
+
+
+SCENARIOS = {
+    # name: (num_blocks, workload options, config options)
+    "roomy": (400, {}, {}),
+    "tight": (40, {}, {}),
+    "preempting": (24, {"max_output": 60}, {"reserve_full_isl": False}),
+    "whole-prompt-gate": (24, {"max_output": 60}, {}),
+    "watermark": (40, {"max_output": 40}, {"reserve_full_isl": False, "watermark": 0.1}),
+}
+
+
+@pytest.mark.parametrize("in_flight", [0, 1], ids=["sync", "async"])
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_attention_only_identical_to_vllm(model: Path, scenario: str, in_flight: int, seed: int) -> None:
+    num_blocks, work_options, config = SCENARIOS[scenario]
+    work = harness.random_workload(seed + 10 * sorted(SCENARIOS).index(scenario), **work_options)
+    ours, theirs = both(model, work, num_blocks, in_flight=in_flight, **config)
+    assert_identical(ours, theirs)
+    assert len(ours.finished) == len(work)
+    if scenario == "preempting":
+        assert sum(len(s["preempted"]) for s in ours.steps) > 0
+    assert sum(s[3] for s in ours.stats) > 0  # prefix hits happened
+
+
+@pytest.mark.parametrize("num_blocks", [30, 400])
+def test_drafts_identical_to_vllm(model: Path, num_blocks: int) -> None:
+    """Spec decode (3 drafts, synchronous): verify steps with 0 .. 3 accepted."""
+    work = harness.random_workload(6, max_output=40)
+    ours, theirs = both(model, work, num_blocks, in_flight=0, num_drafts=3, num_spec_tokens=3,
+                        reserve_full_isl=False)
+    assert_identical(ours, theirs)
+    assert any(s["spec"] for s in ours.steps)
+
+
+def test_vllm_hashes_each_block_once(model: Path) -> None:
+    """vLLM's block hasher runs once per full block of every request (mambakv reads
+    ``request.block_hashes`` and hashes nothing), and mambakv's events carry those keys."""
+    calls = {"n": 0}
+    made: list[bytes] = []
+    inner = harness.HASHER
+
+    def counting(request: Any) -> Any:
+        out = inner(request)
+        calls["n"] += len(out)
+        made.extend(out)
+        return out
+
+    harness.HASHER = counting
+    try:
+        work = harness.random_workload(2)
+        sched = harness.make_scheduler(integration.Scheduler, harness.make_vllm_config(model, async_scheduling=False),
+                                       400)
+        run = harness.drive(sched, work, in_flight=0)
+    finally:
+        harness.HASHER = inner
+    expected = sum((len(a.prompt) + len(run.finished[a.request_id])) // harness.BLOCK for a in work)
+    assert calls["n"] == expected
+    convert = importlib.import_module("vllm.v1.core.kv_cache_utils").maybe_convert_block_hash
+    keys = {h for s in run.steps for e in s["events"] if e[0] == "BlockStored" for h in e[1]}
+    assert keys and keys <= {convert(h) for h in made}  # vLLM's own sha256 keys, as vLLM publishes them
+
+
+@pytest.mark.parametrize("name", ["Scheduler", "AsyncScheduler"])
+def test_the_classes_resolve_by_name(model: Path, name: str) -> None:
+    config = harness.make_vllm_config(model, async_scheduling=name == "AsyncScheduler",
+                                      scheduler_cls=f"mambakv.integrations.vllm.{name}")
+    cls = config.scheduler_config.get_scheduler_cls()
+    assert cls is getattr(integration, name)
+    sched = harness.make_scheduler(cls, config, 64)
+    assert type(sched.kv_cache_manager).__module__.startswith("mambakv.")
+    assert issubclass(cls, VllmAsyncScheduler if name == "AsyncScheduler" else VllmScheduler)
+    run = harness.drive(sched, harness.random_workload(1, num_requests=6), in_flight=int(name == "AsyncScheduler"))
+    assert len(run.finished) == 6
+
+
+def test_another_vllm_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm
+
+    from mambakv import UnsupportedEngineError
+
+    monkeypatch.setattr(vllm, "__version__", "0.34.1")
+    for mod in [m for m in sys.modules if m.startswith("mambakv.integrations.vllm")]:
+        monkeypatch.delitem(sys.modules, mod)
+    with pytest.raises(UnsupportedEngineError) as err:
+        importlib.import_module("mambakv.integrations.vllm")
+    message = str(err.value)
+    assert "\n" not in message and "0.34.1" in message and "0.33" in message
+
+
+def test_a_hybrid_model_is_refused_with_one_line(model: Path) -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from mambakv import UnsupportedEngineError
+
+    config = harness.make_vllm_config(model, async_scheduling=False)
+    config.cache_config.num_gpu_blocks = 64
+    attn = FullAttentionSpec(block_size=harness.BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float32)
+    mamba = MambaSpec(block_size=harness.BLOCK, shapes=((2, 4),), dtypes=(torch.float32,), mamba_cache_mode="align")
+    hybrid = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["model.layers.0.self_attn"], attn), KVCacheGroupSpec(["model.layers.1.mamba"], mamba)])
+    som = StructuredOutputManager(config)
+    with pytest.raises(UnsupportedEngineError, match="hybrid models") as err:
+        integration.Scheduler(vllm_config=config, kv_cache_config=hybrid, structured_output_manager=som,
+                              block_size=harness.BLOCK)
+    assert "\n" not in str(err.value)
