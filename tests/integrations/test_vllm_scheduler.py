@@ -51,6 +51,7 @@ def assert_identical(ours: Any, theirs: Any) -> None:
     assert len(ours.steps) == len(theirs.steps)
     assert ours.finished == theirs.finished
     assert ours.stats == theirs.stats
+    assert ours.end == theirs.end and ours.end[0] is True and ours.end[1] == [("AllBlocksCleared",)]
 
 
 SCENARIOS = {
@@ -77,11 +78,12 @@ def test_attention_only_identical_to_vllm(model: Path, scenario: str, in_flight:
     assert sum(s[3] for s in ours.stats) > 0  # prefix hits happened
 
 
+@pytest.mark.parametrize("in_flight", [0, 1], ids=["sync", "async"])
 @pytest.mark.parametrize("num_blocks", [30, 400])
-def test_drafts_identical_to_vllm(model: Path, num_blocks: int) -> None:
-    """Spec decode (3 drafts, synchronous): verify steps with 0 .. 3 accepted."""
+def test_drafts_identical_to_vllm(model: Path, num_blocks: int, in_flight: int) -> None:
+    """Spec decode (3 drafts; async: vLLM's placeholder drafts): verify steps with 0 .. 3 accepted."""
     work = harness.random_workload(6, max_output=40)
-    ours, theirs = both(model, work, num_blocks, in_flight=0, num_drafts=3, num_spec_tokens=3,
+    ours, theirs = both(model, work, num_blocks, in_flight=in_flight, num_drafts=3, num_spec_tokens=3,
                         reserve_full_isl=False)
     assert_identical(ours, theirs)
     assert any(s["spec"] for s in ours.steps)

@@ -131,6 +131,9 @@ class Run:
     steps: list[dict[str, Any]] = field(default_factory=list)
     finished: dict[str, list[int]] = field(default_factory=dict)
     stats: list[tuple[int, ...]] = field(default_factory=list)
+    #: after the last step: reset_prefix_cache()'s result, its events, the next stats' reset
+    #: flag, the free blocks, the usage
+    end: tuple[Any, ...] = ()
 
 
 def _event_tuple(ev: Any) -> tuple[Any, ...]:
@@ -146,9 +149,10 @@ def _event_tuple(ev: Any) -> tuple[Any, ...]:
 def drive(sched: Any, workload: list[Arrival], *, in_flight: int, max_steps: int = 2000,
           check: Any = None, num_drafts: int = 0) -> Run:
     """Run `workload` to the end on `sched`; `in_flight` 0 (synchronous) or 1 (async). `check`,
-    when given, is called with the scheduler after every step (invariants). `num_drafts` > 0
-    (synchronous only): the fake drafter proposes that many tokens after every sampled step,
-    and a verify accepts a deterministic number of them (0 .. all)."""
+    when given, is called with the scheduler after every step (invariants). `num_drafts` > 0:
+    synchronously, the fake drafter proposes that many tokens after every sampled step (as
+    the engine core's ``update_draft_token_ids``; under async scheduling vLLM schedules
+    placeholder drafts itself); a verify accepts a deterministic number of them (0 .. all)."""
     publisher = RecordingPublisher()
     sched.kv_event_publisher = publisher
     manager = sched.kv_cache_manager
@@ -166,16 +170,16 @@ def drive(sched: Any, workload: list[Arrival], *, in_flight: int, max_steps: int
         for rid in req_ids:
             if rid in sampling:
                 k = outputs_so_far.get(rid, 0)
-                drafts = list(out.scheduled_spec_decode_tokens.get(rid, ()))
-                accepted = drafts[: (sum(map(ord, rid)) + k) % (len(drafts) + 1)]
-                outputs_so_far[rid] = k + len(accepted) + 1
-                sampled.append(accepted + [token_for(rid, k + len(accepted))])
+                drafts = out.scheduled_spec_decode_tokens.get(rid, ())
+                a = (sum(map(ord, rid)) + k) % (len(drafts) + 1)  # drafts accepted
+                outputs_so_far[rid] = k + a + 1
+                sampled.append([token_for(rid, k + j) for j in range(a + 1)])
             else:
                 sampled.append([])
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled)
         eco = sched.update_from_output(out, mro)
-        if num_drafts:
+        if num_drafts and not in_flight:
             proposing = [rid for rid in req_ids if rid in sampling and rid in sched.requests]
             sched.update_draft_token_ids(DraftTokenIds(proposing, [
                 [token_for(rid, 5000 + outputs_so_far[rid] + j) for j in range(num_drafts)] for rid in proposing]))
@@ -232,4 +236,9 @@ def drive(sched: Any, workload: list[Arrival], *, in_flight: int, max_steps: int
             check(sched)
         step += 1
     assert not pending and not sched.has_requests(), f"workload not done after {max_steps} steps"
+    # everything freed: reset the prefix cache (its event, the stats' reset flag, the free count)
+    reset = sched.reset_prefix_cache()
+    p = manager.make_prefix_cache_stats()
+    run.end = (reset, [_event_tuple(e) for e in manager.take_events()], p.reset, manager.block_pool.get_num_free_blocks(),
+               manager.usage)
     return run
