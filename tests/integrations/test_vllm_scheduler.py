@@ -32,14 +32,15 @@ def check(sched: Any) -> None:
 
 
 def both(model: Path, work: list[Any], num_blocks: int, *, in_flight: int, num_drafts: int = 0,
-         **config: Any) -> tuple[Any, Any]:
+         log_stats: bool = True, **config: Any) -> tuple[Any, Any]:
     """The same workload on mambakv's scheduler class and on vLLM's own."""
     ours_cls, theirs_cls = ((integration.AsyncScheduler, VllmAsyncScheduler) if in_flight
                             else (integration.Scheduler, VllmScheduler))
     runs = []
     for cls in (ours_cls, theirs_cls):
         sched = harness.make_scheduler(cls, harness.make_vllm_config(model, async_scheduling=bool(in_flight),
-                                                                     **config), num_blocks)
+                                                                     **config), num_blocks,
+                                       log_stats=log_stats)
         runs.append(harness.drive(sched, work, in_flight=in_flight, num_drafts=num_drafts,
                                   check=check if cls is ours_cls else None))
     return runs[0], runs[1]
@@ -51,7 +52,7 @@ def assert_identical(ours: Any, theirs: Any) -> None:
     assert len(ours.steps) == len(theirs.steps)
     assert ours.finished == theirs.finished
     assert ours.stats == theirs.stats
-    assert ours.end == theirs.end and ours.end[0] is True and ours.end[1] == [("AllBlocksCleared",)]
+    assert ours.end == theirs.end and ours.end[0] is True
 
 
 SCENARIOS = {
@@ -72,10 +73,23 @@ def test_attention_only_identical_to_vllm(model: Path, scenario: str, in_flight:
     work = harness.random_workload(seed + 10 * sorted(SCENARIOS).index(scenario), **work_options)
     ours, theirs = both(model, work, num_blocks, in_flight=in_flight, **config)
     assert_identical(ours, theirs)
+    assert ours.end[1] == [("AllBlocksCleared",)]
     assert len(ours.finished) == len(work)
     if scenario == "preempting":
         assert sum(len(s["preempted"]) for s in ours.steps) > 0
     assert sum(s[3] for s in ours.stats) > 0  # prefix hits happened
+
+
+@pytest.mark.parametrize("in_flight", [0, 1], ids=["sync", "async"])
+def test_without_caching_or_stats_identical_to_vllm(model: Path, in_flight: int) -> None:
+    """Prefix caching off (no hits, no events), and log_stats off (no statistics: None)."""
+    work = harness.random_workload(8, max_output=40)
+    ours, theirs = both(model, work, 30, in_flight=in_flight, enable_prefix_caching=False, reserve_full_isl=False)
+    assert_identical(ours, theirs)
+    assert not any(s["events"] for s in ours.steps) and sum(s[3] for s in ours.stats) == 0
+    ours, theirs = both(model, work, 30, in_flight=in_flight, log_stats=False)
+    assert_identical(ours, theirs)
+    assert ours.stats == [] and ours.end[2] is None
 
 
 @pytest.mark.parametrize("in_flight", [0, 1], ids=["sync", "async"])

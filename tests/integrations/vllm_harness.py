@@ -80,10 +80,10 @@ def make_kv_cache_config(num_blocks: int) -> KVCacheConfig:
                                                            spec)])
 
 
-def make_scheduler(cls: type, vllm_config: VllmConfig, num_blocks: int) -> Any:
+def make_scheduler(cls: type, vllm_config: VllmConfig, num_blocks: int, *, log_stats: bool = True) -> Any:
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     return cls(vllm_config=vllm_config, kv_cache_config=make_kv_cache_config(num_blocks),
-               structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK, log_stats=True)
+               structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK, log_stats=log_stats)
 
 
 @dataclass(frozen=True)
@@ -239,6 +239,6 @@ def drive(sched: Any, workload: list[Arrival], *, in_flight: int, max_steps: int
     # everything freed: reset the prefix cache (its event, the stats' reset flag, the free count)
     reset = sched.reset_prefix_cache()
     p = manager.make_prefix_cache_stats()
-    run.end = (reset, [_event_tuple(e) for e in manager.take_events()], p.reset, manager.block_pool.get_num_free_blocks(),
-               manager.usage)
+    run.end = (reset, [_event_tuple(e) for e in manager.take_events()], None if p is None else p.reset,
+               manager.block_pool.get_num_free_blocks(), manager.usage)
     return run
