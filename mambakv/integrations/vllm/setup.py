@@ -42,6 +42,8 @@ def refused_feature(scheduler: Any) -> str | None:
         return "hash / prefill lookahead tokens (multi-module MTP)"
     if getattr(scheduler.kv_cache_config, "hisparse_host_num_blocks", None) is not None:
         return "HiSparse host KV blocks"
+    if getattr(scheduler, "kv_metrics_collector", None) is not None:
+        return "KV-cache residency metrics (observability kv_cache_metrics)"
     return None
 
 
