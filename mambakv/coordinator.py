@@ -201,7 +201,7 @@ def _check_computed(request: EngineRequest, live: RequestState | None, num_new_c
 
     Raises:
         InvalidTokenCountError: computed tokens without blocks or hits to back them.
-        InvalidRequestError: not a Request; another live request has the same id.
+        InvalidRequestError: neither a Request nor an EngineRequest; another live request has the same id.
         InvalidBlockError: `new_computed_blocks` is not a KVCacheBlocks.
     """
     if not _is_request(request):
@@ -714,7 +714,7 @@ class KVCacheCoordinator:
         Raises:
             InvalidTokenCountError: a negative or non-int count, or more than ``max_model_len``
                 tokens (``allocate`` raises it too).
-            InvalidRequestError: `request` is not a Request.
+            InvalidRequestError: `request` is neither a Request nor an EngineRequest.
             InvalidSpecError: `watermark` outside ``[0, 1)``.
         """
         if not _is_request(request):
@@ -939,7 +939,7 @@ class KVCacheCoordinator:
         (``KVCacheBlocks.shared_empty``: its lists raise ReadOnlyResultError on an addition).
 
         Raises:
-            InvalidRequestError: `request` is not a Request.
+            InvalidRequestError: `request` is neither a Request nor an EngineRequest.
             HashBlockSizeMismatchError: the request hashes with another block size.
             InvalidTokenCountError: `max_length` is not None nor an int >= 0.
         """
@@ -968,7 +968,7 @@ class KVCacheCoordinator:
         pins nothing and counts no statistics.
 
         Raises:
-            InvalidRequestError: `request` is not a Request.
+            InvalidRequestError: `request` is neither a Request nor an EngineRequest.
         """
         if not _is_request(request):
             raise InvalidRequestError(f"get_shared_prefix_length needs a Request or an EngineRequest, got {type(request).__name__}")
@@ -985,7 +985,7 @@ class KVCacheCoordinator:
 
         Raises:
             InvalidTokenCountError: a negative or non-int count, or more computed tokens than the request has.
-            InvalidRequestError: `request` is not a Request.
+            InvalidRequestError: `request` is neither a Request nor an EngineRequest.
         """
         if not _is_request(request):
             raise InvalidRequestError(f"next_chunk_end needs a Request or an EngineRequest, got {type(request).__name__}")
@@ -1010,7 +1010,7 @@ class KVCacheCoordinator:
         returns the GPU part only (``num_host_tokens == 0``). See :mod:`mambakv.host_link`.
 
         Raises (nothing changed):
-            InvalidRequestError: `request` is not a Request, or it holds blocks already.
+            InvalidRequestError: `request` is neither a Request nor an EngineRequest, or it holds blocks already.
             LoadPendingError: its load is in flight (wait for ``complete_load``).
             InvalidClockError: `now` is not a finite number.
         """
