@@ -176,3 +176,28 @@ def test_a_hybrid_model_is_refused_with_one_line(model: Path) -> None:
         integration.Scheduler(vllm_config=config, kv_cache_config=hybrid, structured_output_manager=som,
                               block_size=harness.BLOCK)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("attribute", "value", "feature"), [
+    ("is_encoder_decoder", True, "encoder-decoder models"),
+    ("dcp_world_size", 2, "DCP / PCP"),
+    ("pcp_world_size", 2, "DCP / PCP"),
+    ("hash_block_size", 8, "partial-block prefix hits"),
+    ("needs_kv_cache_zeroing", True, "KV-cache block zeroing"),
+    ("num_prefill_lookahead", 2, "multi-module MTP"),
+    ("connector", object(), "KV connectors"),
+])
+def test_refused_features_name_themselves(model: Path, attribute: str, value: Any, feature: str) -> None:
+    """A vLLM scheduler with a refused feature (set on a constructed vLLM scheduler, as its
+    constructor would) is refused by the manager swap with one line naming it, and keeps vLLM's
+    own manager."""
+    from mambakv import UnsupportedEngineError
+
+    setup = importlib.import_module("mambakv.integrations.vllm.setup")
+    sched = harness.make_scheduler(VllmScheduler, harness.make_vllm_config(model, async_scheduling=False), 64)
+    assert setup.refused_feature(sched) is None
+    own = sched.kv_cache_manager
+    setattr(sched, attribute, value)
+    with pytest.raises(UnsupportedEngineError, match=feature) as err:
+        setup.install_mambakv(sched)
+    assert "\n" not in str(err.value) and sched.kv_cache_manager is own
