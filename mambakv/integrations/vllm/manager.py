@@ -101,6 +101,7 @@ class VllmKVCacheManager:
         #: request id -> its view, from the first lookup to the finish (preemptions included)
         self._views: dict[str, VllmRequestView] = {}
         self._reset_since_stats = False
+        self._has_mamba = bool(self.kv.mamba_managers)
 
     # ------------------------------------------------------------------ requests
     def _view(self, request: Any) -> VllmRequestView:
@@ -120,10 +121,14 @@ class VllmKVCacheManager:
         hit is capped at ``num_tokens - 1`` and at `max_cache_hit_length` tokens."""
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
-        blocks, length = self.kv.get_computed_blocks(self._view(request), max_length=max_cache_hit_length)
+        view = self._view(request)
+        blocks, length = self.kv.get_computed_blocks(view, max_length=max_cache_hit_length)
+        junction = self.kv.get_shared_prefix_length(view) if self._has_mamba else 0
+        if junction <= length:
+            junction = 0
         if not length:
-            return self.empty_kv_cache_blocks, 0, 0
-        return _vllm_blocks(blocks.blocks), length, 0
+            return self.empty_kv_cache_blocks, 0, junction
+        return _vllm_blocks(blocks.blocks), length, junction
 
     def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
         """vLLM's admission-time count: the coordinator already counted this admission in its
@@ -171,9 +176,13 @@ class VllmKVCacheManager:
                 if need + watermark > free:
                     return None
         num_drafts = computed + num_new_tokens - request.num_tokens - request.num_output_placeholders
+        # A running request's settled tokens (vLLM calls no manager method after a synchronous
+        # step without drafts): retired in the same call, so what they completed is published.
+        settled = request.num_computed_tokens - request.num_in_flight_tokens if hits is None else None
         result = kv.allocate(view, num_new_tokens, num_new_computed_tokens=num_new_computed_tokens,
                              new_computed_blocks=hits, num_lookahead_tokens=num_lookahead_tokens,
-                             num_draft_tokens=num_drafts if num_drafts > 0 else 0)
+                             num_draft_tokens=num_drafts if num_drafts > 0 else 0,
+                             num_processed_tokens=settled if settled and kv.holds_blocks(view.request_id) else None)
         if result is None:
             return None
         appends = result.table_appends if result.table_appends is not None else result.blocks
@@ -188,7 +197,12 @@ class VllmKVCacheManager:
             self.kv.retire(request.request_id, min(num_computed_tokens, request.num_tokens))
 
     def free(self, request: Any) -> None:
-        """Free the request's blocks (finished or preempted); a finished request's view goes."""
+        """Free the request's blocks (finished or preempted), after retiring its settled tokens
+        (so what its last processed step completed is published first); a finished request's
+        view goes."""
+        settled = min(request.num_computed_tokens - request.num_in_flight_tokens, request.num_tokens)
+        if self.enable_caching and settled > 0 and self.kv.holds_blocks(request.request_id):
+            self.kv.retire(request.request_id, settled)
         self.kv.free(request.request_id)
         if request.is_finished():
             self._views.pop(request.request_id, None)
