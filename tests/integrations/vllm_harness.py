@@ -35,7 +35,7 @@ from vllm.config import (
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -80,10 +80,53 @@ def make_kv_cache_config(num_blocks: int) -> KVCacheConfig:
                                                            spec)])
 
 
-def make_scheduler(cls: type, vllm_config: VllmConfig, num_blocks: int, *, log_stats: bool = True) -> Any:
+def make_hybrid_kv_cache_config(num_blocks: int) -> KVCacheConfig:
+    """One full-attention group and one Mamba group (align mode), both of BLOCK tokens."""
+    attn = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float32)
+    mamba = MambaSpec(block_size=BLOCK, shapes=((2, 4), (4, 4)), dtypes=(torch.float32, torch.float32),
+                      mamba_cache_mode="align")
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn"], attn),
+                                          KVCacheGroupSpec(["model.layers.1.mamba"], mamba)])
+
+
+def make_scheduler(cls: type, vllm_config: VllmConfig, num_blocks: int, *, log_stats: bool = True,
+                   hybrid: bool = False) -> Any:
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    return cls(vllm_config=vllm_config, kv_cache_config=make_kv_cache_config(num_blocks),
+    if hybrid:
+        vllm_config.cache_config.mamba_cache_mode = "align"
+    kv_cache_config = make_hybrid_kv_cache_config(num_blocks) if hybrid else make_kv_cache_config(num_blocks)
+    return cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
                structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK, log_stats=log_stats)
+
+
+class WorkerMambaCopies:
+    """The Mamba state copies vLLM 0.33's GPU worker makes in align mode, derived the way its
+    ``preprocess_mamba`` derives them: per request it remembers the table column of the last
+    running state (for a new or resumed request ``(computed - 1) // block``), the step's running
+    state goes to column ``cdiv(computed + scheduled, block) - 1``, and a state that moved is
+    copied from the old column to the new one, in every Mamba group's table."""
+
+    def __init__(self, mamba_gids: list[int]) -> None:
+        self.mamba_gids = mamba_gids
+        self.column: dict[str, int] = {}
+
+    def step(self, out: Any, tables: dict[str, list[list[int]]]) -> dict[int, set[tuple[int, int]]]:
+        cached = out.scheduled_cached_reqs
+        for rid in [*out.finished_req_ids, *(out.preempted_req_ids or ()), *cached.resumed_req_ids]:
+            self.column.pop(rid, None)
+        computed = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        copies: dict[int, set[tuple[int, int]]] = {g: set() for g in self.mamba_gids}
+        for rid, n in out.num_scheduled_tokens.items():
+            prev = self.column.get(rid, (computed[rid] - 1) // BLOCK)
+            curr = -(-(computed[rid] + n) // BLOCK) - 1
+            self.column[rid] = curr
+            if prev != -1 and prev != curr:
+                for g in self.mamba_gids:
+                    copies[g].add((tables[rid][g][prev], tables[rid][g][curr]))
+        return copies
+
 
 
 @dataclass(frozen=True)
@@ -158,6 +201,9 @@ def drive(sched: Any, workload: list[Arrival], *, in_flight: int, max_steps: int
     manager = sched.kv_cache_manager
     pending = deque(workload)
     queue: deque[tuple[Any, set[str]]] = deque()
+    mamba_gids = [g for g, group in enumerate(sched.kv_cache_config.kv_cache_groups)
+                  if isinstance(group.kv_cache_spec, MambaSpec)]
+    worker_copies = WorkerMambaCopies(mamba_gids) if mamba_gids else None
     worker: dict[str, list[list[int]]] = {}
     outputs_so_far: dict[str, int] = {}
     tokens: dict[str, list[int]] = {}
@@ -215,6 +261,12 @@ def drive(sched: Any, workload: list[Arrival], *, in_flight: int, max_steps: int
         for rid in out.num_scheduled_tokens:  # the worker rule: same length, equal wherever the manager's is not null
             for table, ids in zip(worker[rid], manager.get_block_ids(rid), strict=True):
                 assert len(table) == len(ids) and all(b == w for w, b in zip(table, ids) if b), (step, rid)
+        if worker_copies is not None:
+            implied = worker_copies.step(out, worker)
+            plan = getattr(manager, "last_step_plan", None)
+            if plan is not None:  # mambakv: its planned copies are the ones vLLM's worker makes
+                planned = {g: set(plan.group(g).copies) for g in mamba_gids}
+                assert planned == implied, (step, planned, implied)
         run.steps.append({
             "scheduled": dict(out.num_scheduled_tokens),
             "spec": {k: list(v) for k, v in out.scheduled_spec_decode_tokens.items()},
@@ -223,6 +275,7 @@ def drive(sched: Any, workload: list[Arrival], *, in_flight: int, max_steps: int
                         None if cached.new_block_ids[i] is None else tuple(map(tuple, cached.new_block_ids[i])))
                        for i, rid in enumerate(cached.req_ids)],
             "preempted": sorted(out.preempted_req_ids or ()),
+            "zero": sorted(out.new_block_ids_to_zero or ()),
             "finished": sorted(out.finished_req_ids),
             "free": manager.block_pool.get_num_free_blocks(),
             "usage": round(manager.usage, 12),

@@ -46,7 +46,7 @@ from mambakv.core.errors import UnsupportedEngineError
 from mambakv.integrations.vllm.config import convert_kv_cache_config
 from mambakv.integrations.vllm.events import event_metadata, to_vllm_events
 from mambakv.integrations.vllm.request_view import VllmRequestView
-from mambakv.plans import KVCacheBlocks
+from mambakv.plans import EMPTY_STEP_PLAN, KVCacheBlocks, StepPlan
 
 __all__ = ["VllmKVCacheManager"]
 
@@ -102,6 +102,9 @@ class VllmKVCacheManager:
         self._views: dict[str, VllmRequestView] = {}
         self._reset_since_stats = False
         self._has_mamba = bool(self.kv.mamba_managers)
+        self._attention_gids = frozenset(i for i, m in enumerate(self.kv.managers) if m not in self.kv.mamba_managers)
+        #: the coordinator's step plan drained by the latest ``take_new_block_ids`` (once a step)
+        self.last_step_plan: StepPlan = EMPTY_STEP_PLAN
 
     # ------------------------------------------------------------------ requests
     def _view(self, request: Any) -> VllmRequestView:
@@ -270,8 +273,15 @@ class VllmKVCacheManager:
 
     # ------------------------------------------------------------------ device-side drains (none here)
     def take_new_block_ids(self) -> list[int]:
-        """New attention block ids to zero: none (configs that zero KV blocks are refused)."""
-        return []
+        """The attention blocks allocated since the last call, for vLLM's worker to zero (hybrid
+        models: a block may have held a Mamba state before). The step plan it drains stays in
+        ``last_step_plan``; vLLM's worker derives the Mamba state copies from the block tables
+        itself (the plan's copies are the same pairs: tests/integrations)."""
+        plan = self.kv.take_step_plan()
+        self.last_step_plan = plan
+        if not self._has_mamba:
+            return []
+        return [b for g in plan.groups if g.group_id in self._attention_gids for b in g.new_block_ids]
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
         """Copy-on-write block copies of partial-block hits: none (partial hits are refused)."""

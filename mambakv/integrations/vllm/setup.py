@@ -34,7 +34,12 @@ def refused_feature(scheduler: Any) -> str | None:
     own = scheduler.kv_cache_manager.coordinator
     if scheduler.hash_block_size != scheduler.block_size or getattr(own, "enable_partial_hash_hits", False):
         return "partial-block prefix hits (hash_block_size below the block size)"
-    if scheduler.needs_kv_cache_zeroing:
+    hybrid = bool(scheduler.kv_cache_config.has_mamba_layers)
+    if hybrid and scheduler.num_spec_tokens:
+        return "hybrid (Mamba) models with speculative decoding"
+    if hybrid and scheduler.use_pp:
+        return "hybrid (Mamba) models with pipeline parallelism"
+    if scheduler.needs_kv_cache_zeroing and not hybrid:
         return "KV-cache block zeroing"
     if getattr(scheduler, "aux_output_connector", None) is not None:
         return "aux output connectors"
