@@ -6,7 +6,7 @@ class answers those names with one :class:`~mambakv.coordinator.KVCacheCoordinat
 layout) underneath; each vLLM request is read in place through a
 :class:`~mambakv.integrations.vllm.request_view.VllmRequestView` (its hashes are vLLM's).
 
-How vLLM's calls map (attention-only models):
+How vLLM's calls map (attention-only and hybrid models, unified layout):
 
 =============================================  ==========================================
 vLLM's call                                     mambakv
@@ -15,13 +15,16 @@ vLLM's call                                     mambakv
 ``allocate_slots(req, n, ...)``                 admission gates, then ``allocate(view, n,
                                                 num_draft_tokens=d)``; returns the step's
                                                 ``table_appends`` (what the worker appends)
-``cache_blocks(req, n)`` (after outputs)        ``retire(request_id, n)``
+``cache_blocks(req, n)`` (after outputs)        ``retire(request_id, n)``; a running
+                                                request's settled tokens are also retired
+                                                in its next ``allocate`` and before ``free``
 ``free(req)``                                   ``free(request_id)``
 ``get_blocks`` / ``get_block_ids`` / ``usage``  the same names
 ``take_events()``                               ``take_events()`` as vLLM event objects
 ``make_prefix_cache_stats()``                   ``make_prefix_cache_stats()`` as vLLM's
                                                 ``PrefixCacheStats`` (None without log_stats)
 ``new_step_starts()``                           ``new_step()``
+``take_new_block_ids()``                        ``take_step_plan()``'s new attention blocks
 =============================================  ==========================================
 
 The drafts of a step, ``d``: the scheduled tokens past the request's known tokens and its
@@ -119,9 +122,11 @@ class VllmKVCacheManager:
         return self.enable_caching and not request.skip_reading_prefix_cache
 
     def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None) -> tuple[Any, int, int]:
-        """The request's prefix hit: ``(vLLM KVCacheBlocks, hit tokens, 0)``; the third value
-        (vLLM's shared-prefix boundary of sparse groups) is 0 for attention-only models. The
-        hit is capped at ``num_tokens - 1`` and at `max_cache_hit_length` tokens."""
+        """The request's prefix hit: ``(vLLM KVCacheBlocks, hit tokens, junction)``, the hit
+        capped at ``num_tokens - 1`` and at `max_cache_hit_length` tokens. `junction` (tokens,
+        vLLM's shared-prefix boundary, where its scheduler ends a chunk): with Mamba groups the
+        coordinator's ``get_shared_prefix_length`` when it reaches past the hit, else 0 (always 0
+        for attention-only models)."""
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         view = self._view(request)

@@ -21,7 +21,7 @@ class Scheduler(VllmScheduler):
 
     Raises:
         UnsupportedEngineError: a feature the integration refuses (KV connectors,
-            encoder-decoder models, DCP / PCP, partial-block hits, hybrid models, ...): one line
+            encoder-decoder models, DCP / PCP, partial-block hits, hybrid models with drafts, ...): one line
             naming it.
     """
 
