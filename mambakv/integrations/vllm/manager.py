@@ -186,11 +186,12 @@ class VllmKVCacheManager:
         num_drafts = computed + num_new_tokens - request.num_tokens - request.num_output_placeholders
         # A running request's settled tokens (vLLM calls no manager method after a synchronous
         # step without drafts): retired in the same call, so what they completed is published.
-        settled = request.num_computed_tokens - request.num_in_flight_tokens if hits is None else None
+        # (A request holding no blocks has 0 settled tokens here, or its retire is a no-op.)
+        settled = computed - request.num_in_flight_tokens if hits is None else 0
         result = kv.allocate(view, num_new_tokens, num_new_computed_tokens=num_new_computed_tokens,
                              new_computed_blocks=hits, num_lookahead_tokens=num_lookahead_tokens,
                              num_draft_tokens=num_drafts if num_drafts > 0 else 0,
-                             num_processed_tokens=settled if settled and kv.holds_blocks(view.request_id) else None)
+                             num_processed_tokens=settled if settled > 0 else None)
         if result is None:
             return None
         appends = result.table_appends if result.table_appends is not None else result.blocks

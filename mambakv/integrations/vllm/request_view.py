@@ -47,7 +47,8 @@ class VllmRequestView:
 
     @property
     def num_computed_tokens(self) -> int:
-        return int(self.request.num_computed_tokens)
+        n: int = self.request.num_computed_tokens
+        return n
 
     @num_computed_tokens.setter
     def num_computed_tokens(self, value: int) -> None:
@@ -55,7 +56,8 @@ class VllmRequestView:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.request.num_tokens)
+        n: int = self.request.num_tokens
+        return n
 
     @property
     def all_token_ids(self) -> Sequence[int]:
