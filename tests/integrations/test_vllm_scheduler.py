@@ -3,7 +3,9 @@ workloads): attention-only runs are identical to vLLM's own KVCacheManager step 
 (scheduled tokens, computed tokens, new and resumed block ids, the worker's append-only
 tables, preemptions, finishes, free blocks, usage, KV events, prefix-cache stats, the tokens
 out), synchronous and async, with the whole-prompt gate on and off, a watermark, and drafts.
-Skipped without vLLM (``scripts/install_vllm_cpu.sh`` installs it)."""
+Hybrid models (Mamba align mode, no drafts): with room identical but for when states are
+published, mambakv's planned state copies are the ones vLLM's worker makes, and under pressure
+the same tokens out. Refusals name their feature in one line. Skipped without vLLM (``scripts/install_vllm_cpu.sh`` installs it)."""
 
 from __future__ import annotations
 

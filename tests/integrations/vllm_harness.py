@@ -1,7 +1,8 @@
 """A CPU harness for vLLM 0.33.0's real Scheduler with fake model outputs (no model runs).
 
 Builds a ``VllmConfig`` for a tiny Llama-shaped model (a ``config.json`` only: no weights, no
-tokenizer), a ``KVCacheConfig`` of one full-attention group, and drives ``schedule`` ->
+tokenizer), a ``KVCacheConfig`` of one full-attention group (or a hybrid one: attention +
+Mamba in align mode), and drives ``schedule`` ->
 ``update_from_output`` the way vLLM's engine core does: synchronously, or with one step in
 flight (async scheduling: step t + 1 is scheduled before step t's outputs are processed).
 The fake model samples a deterministic token per (request, output index), so two runs that
@@ -10,7 +11,8 @@ schedule the same steps see the same tokens.
 Each step is recorded as plain data (scheduled tokens, computed tokens, new / resumed
 requests' block ids, the worker's append-only tables, preemptions, finishes, free blocks,
 usage, events, prefix-cache stats), so a run on mambakv and one on vLLM's own manager compare
-with ``==``. Imported only by tests that ``pytest.importorskip("vllm")`` first.
+with ``==``. With Mamba groups every step also checks that mambakv's planned state copies are
+the ones vLLM's align-mode worker derives from the tables (``WorkerMambaCopies``). Imported only by tests that ``pytest.importorskip("vllm")`` first.
 """
 
 from __future__ import annotations
