@@ -11,6 +11,7 @@ from typing import Any
 from mambakv.coordinator import KVCacheCoordinator
 from mambakv.core.block import FreeBlockQueue, KVCacheBlock
 from mambakv.core.block_pool import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored
+from mambakv.core.engine_request import EngineRequest
 from mambakv.core.errors import (
     BlockNotFreeError,
     DoubleFreeError,
@@ -31,6 +32,7 @@ from mambakv.core.errors import (
     ReadOnlyResultError,
     StaleCacheHitError,
     TraceFormatError,
+    UnsupportedEngineError,
 )
 from mambakv.core.hashing import hash_block_tokens, init_none_hash
 from mambakv.core.host_tier import HostTierSpec, HostWrite
@@ -70,6 +72,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AllBlocksCleared", "BlockKind", "BlockNotFreeError", "BlockPool", "BlockRemoved", "BlockStored", "CopyBackend", "DoubleFreeError",
+    "EngineRequest",
     "FreeBlockQueue", "FullAttentionManager", "FullAttentionSpec", "HashBlockSizeMismatchError", "HostTierSpec", "HostWrite",
     "InvalidBlockError", "InvalidClockError", "InvalidCopyPlanError", "InvalidDraftCountError", "InvalidFenceError",
     "InvalidHashError", "InvalidRequestError", "InvalidSpecError", "InvalidTokenCountError", "KVCacheBlock", "KVCacheBlocks",
@@ -78,5 +81,5 @@ __all__ = [
     "MambaKVError",
     "MambaManager", "MambaSpec", "MambaStatePool", "ModelConfigError", "OutOfBlocksError", "PrefixCacheStats", "ReadOnlyResultError",
     "Request", "SingleTypeKVCacheManager", "SlidingWindowManager", "SlidingWindowSpec", "StaleCacheHitError", "StatePlan",
-    "Tier", "TieredHit", "TraceFormatError", "Transfer", "TransferPlan", "hash_block_tokens", "init_none_hash",
+    "Tier", "TieredHit", "TraceFormatError", "Transfer", "TransferPlan", "UnsupportedEngineError", "hash_block_tokens", "init_none_hash",
 ]

@@ -64,6 +64,7 @@ from typing import NoReturn
 from mambakv.core.arena import SuperblockArena
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
+from mambakv.core.engine_request import EngineRequest
 from mambakv.core.errors import (
     HashBlockSizeMismatchError,
     InvalidBlockError,
@@ -119,7 +120,7 @@ class RequestState:
     __slots__ = ("request", "tables", "num_scheduled", "num_covered", "quiet_tokens", "retire_quiet", "events",
                  "thresholds", "quiet_max", "arrival", "parent")
 
-    def __init__(self, request: Request, tables: tuple[BlockTable, ...], num_scheduled: int) -> None:
+    def __init__(self, request: EngineRequest, tables: tuple[BlockTable, ...], num_scheduled: int) -> None:
         self.request = request
         self.tables = tables
         self.num_scheduled = num_scheduled
@@ -185,7 +186,13 @@ def _checked_draft_count(num_draft_tokens: object, num_new_tokens: int) -> int:
     return n
 
 
-def _check_computed(request: Request, live: RequestState | None, num_new_computed_tokens: int,
+def _is_request(obj: object) -> bool:
+    """A mambakv Request (checked first: the common case costs one isinstance) or an engine's
+    own request with the EngineRequest members (mambakv.core.engine_request)."""
+    return isinstance(obj, Request) or isinstance(obj, EngineRequest)
+
+
+def _check_computed(request: EngineRequest, live: RequestState | None, num_new_computed_tokens: int,
                     new_computed_blocks: KVCacheBlocks | None) -> None:
     """Computed tokens must be backed by blocks: a request that holds none starts from 0
     (after a preemption the engine resets ``num_computed_tokens``) plus exactly its hit; a
@@ -194,11 +201,11 @@ def _check_computed(request: Request, live: RequestState | None, num_new_compute
 
     Raises:
         InvalidTokenCountError: computed tokens without blocks or hits to back them.
-        InvalidRequestError: not a Request; another live request has the same id.
+        InvalidRequestError: neither a Request nor an EngineRequest; another live request has the same id.
         InvalidBlockError: `new_computed_blocks` is not a KVCacheBlocks.
     """
-    if not isinstance(request, Request):
-        raise InvalidRequestError(f"allocate needs a Request, got {type(request).__name__}")
+    if not _is_request(request):
+        raise InvalidRequestError(f"allocate needs a Request or an EngineRequest, got {type(request).__name__}")
     if new_computed_blocks is not None and not isinstance(new_computed_blocks, KVCacheBlocks):
         raise InvalidBlockError(f"new_computed_blocks must be the KVCacheBlocks of get_computed_blocks, got "
                                 f"{type(new_computed_blocks).__name__}")
@@ -376,7 +383,7 @@ class KVCacheCoordinator:
         self.checkpoint_placement.check_alignment(self.chunk_alignment)
 
     # ------------------------------------------------------------------ allocation
-    def allocate(self, request: Request, num_new_tokens: int, *, num_new_computed_tokens: int = 0,
+    def allocate(self, request: EngineRequest, num_new_tokens: int, *, num_new_computed_tokens: int = 0,
                  new_computed_blocks: KVCacheBlocks | None = None,
                  num_lookahead_tokens: int = 0, num_draft_tokens: int | None = None,
                  now: float | None = None, num_processed_tokens: int | None = None) -> KVCacheBlocks | None:
@@ -428,7 +435,7 @@ class KVCacheCoordinator:
         try:
             rid = request.request_id
         except AttributeError:
-            raise InvalidRequestError(f"allocate needs a Request, got {type(request).__name__}") from None
+            raise InvalidRequestError(f"allocate needs a Request or an EngineRequest, got {type(request).__name__}") from None
         if now is not None and not (type(now) is float and now - now == 0.0 and now >= 0.0):  # the hot path: no call
             now = as_seconds(now)
         live = self._live.get(rid)
@@ -470,7 +477,7 @@ class KVCacheCoordinator:
         return self._allocate_step(request, live, num_new_computed_tokens, new_computed_blocks, num_computed,
                                    num_tokens, num_lookahead_tokens, num_drafts, now)
 
-    def _allocate_step(self, request: Request, live: RequestState | None, num_new_computed_tokens: int,
+    def _allocate_step(self, request: EngineRequest, live: RequestState | None, num_new_computed_tokens: int,
                        new_computed_blocks: KVCacheBlocks | None, num_computed: int, num_tokens: int,
                        num_lookahead_tokens: int, num_drafts: int, now: float | None) -> KVCacheBlocks | None:
         """``allocate`` once its own checks passed and the step is not quiet: the hit and
@@ -601,7 +608,7 @@ class KVCacheCoordinator:
                 appends[gid] = col[before:]
         return new_blocks if appends is None else tuple(appends)
 
-    def _checked_hits(self, request: Request, new_computed_blocks: KVCacheBlocks,
+    def _checked_hits(self, request: EngineRequest, new_computed_blocks: KVCacheBlocks,
                       num_hit_tokens: int) -> Sequence[Sequence[KVCacheBlock]]:
         """The hit lists, after checking that they are this layout's blocks, cover exactly
         `num_hit_tokens` in every group, and that every hit block still carries the hash of
@@ -658,7 +665,7 @@ class KVCacheCoordinator:
                 pages += n
         return pages, slots
 
-    def _count_admission(self, request: Request, num_hit_tokens: int) -> None:
+    def _count_admission(self, request: EngineRequest, num_hit_tokens: int) -> None:
         """PrefixCacheStats: once per admission; a Request seen before is a resumed preemption."""
         if self.enable_caching:
             stats = self.prefix_cache_stats
@@ -672,7 +679,7 @@ class KVCacheCoordinator:
                 stats.hits += num_hit_tokens
         request.num_admissions += 1
 
-    def num_blocks_needed(self, request: Request, num_new_tokens: int, *, num_new_computed_tokens: int = 0,
+    def num_blocks_needed(self, request: EngineRequest, num_new_tokens: int, *, num_new_computed_tokens: int = 0,
                           new_computed_blocks: KVCacheBlocks | None = None, num_lookahead_tokens: int = 0) -> int:
         """Free blocks ``allocate`` would consume for this step, hit blocks still in the free
         queue included (nano-vllm's ``can_allocate``), summed over every group: in the unified
@@ -692,7 +699,7 @@ class KVCacheCoordinator:
         return sum(m.count_columns(rid, num_tokens, [hits[g] for g in cols], num_computed, lookahead)
                    for m, cols in zip(self.policies, self._columns))
 
-    def can_allocate(self, request: Request, num_new_tokens: int, *, num_new_computed_tokens: int = 0,
+    def can_allocate(self, request: EngineRequest, num_new_tokens: int, *, num_new_computed_tokens: int = 0,
                      new_computed_blocks: KVCacheBlocks | None = None, num_lookahead_tokens: int = 0,
                      whole_prompt: bool = False, watermark: float = 0.0) -> bool:
         """Whether ``allocate`` with these arguments would find room now (its own count; free hit
@@ -707,11 +714,11 @@ class KVCacheCoordinator:
         Raises:
             InvalidTokenCountError: a negative or non-int count, or more than ``max_model_len``
                 tokens (``allocate`` raises it too).
-            InvalidRequestError: `request` is not a Request.
+            InvalidRequestError: `request` is neither a Request nor an EngineRequest.
             InvalidSpecError: `watermark` outside ``[0, 1)``.
         """
-        if not isinstance(request, Request):
-            raise InvalidRequestError(f"can_allocate needs a Request, got {type(request).__name__}")
+        if not _is_request(request):
+            raise InvalidRequestError(f"can_allocate needs a Request or an EngineRequest, got {type(request).__name__}")
         if not (isinstance(watermark, (int, float)) and not isinstance(watermark, bool) and 0 <= watermark < 1):
             raise InvalidSpecError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
         num_computed = request.num_computed_tokens + as_count(num_new_computed_tokens, "num_new_computed_tokens")
@@ -918,7 +925,7 @@ class KVCacheCoordinator:
         return [r.request_id for r in requests] + loading
 
     # ------------------------------------------------------------------ prefix hits
-    def get_computed_blocks(self, request: Request, *, max_length: int | None = None) -> tuple[KVCacheBlocks, int]:
+    def get_computed_blocks(self, request: EngineRequest, *, max_length: int | None = None) -> tuple[KVCacheBlocks, int]:
         """The longest prefix of `request` cached in every group, capped at
         ``num_tokens - 1`` (the last token is recomputed for its logits) and at `max_length`
         tokens when given (an engine's own cap, e.g. a prompt-cache limit).
@@ -932,12 +939,12 @@ class KVCacheCoordinator:
         (``KVCacheBlocks.shared_empty``: its lists raise ReadOnlyResultError on an addition).
 
         Raises:
-            InvalidRequestError: `request` is not a Request.
+            InvalidRequestError: `request` is neither a Request nor an EngineRequest.
             HashBlockSizeMismatchError: the request hashes with another block size.
             InvalidTokenCountError: `max_length` is not None nor an int >= 0.
         """
-        if not isinstance(request, Request):
-            raise InvalidRequestError(f"get_computed_blocks needs a Request, got {type(request).__name__}")
+        if not _is_request(request):
+            raise InvalidRequestError(f"get_computed_blocks needs a Request or an EngineRequest, got {type(request).__name__}")
         if max_length is not None:
             max_length = as_count(max_length, "max_length")
         request.set_hash_block_size(self.hash_block_size)
@@ -949,7 +956,7 @@ class KVCacheCoordinator:
         found = tuple(hits)
         return KVCacheBlocks(found, found), length
 
-    def get_shared_prefix_length(self, request: Request) -> int:
+    def get_shared_prefix_length(self, request: EngineRequest) -> int:
         """Tokens: the longest prefix of `request` (aligned like a hit, at most
         ``num_tokens - 1``) that the attention-type groups cache, Mamba groups ignored.
 
@@ -961,14 +968,14 @@ class KVCacheCoordinator:
         pins nothing and counts no statistics.
 
         Raises:
-            InvalidRequestError: `request` is not a Request.
+            InvalidRequestError: `request` is neither a Request nor an EngineRequest.
         """
-        if not isinstance(request, Request):
-            raise InvalidRequestError(f"get_shared_prefix_length needs a Request, got {type(request).__name__}")
+        if not _is_request(request):
+            raise InvalidRequestError(f"get_shared_prefix_length needs a Request or an EngineRequest, got {type(request).__name__}")
         request.set_hash_block_size(self.hash_block_size)
         return self._hits.shared_prefix_length(request) if self.enable_caching else 0
 
-    def next_chunk_end(self, request: Request, budget: int, *, num_computed_tokens: int | None = None) -> int:
+    def next_chunk_end(self, request: EngineRequest, budget: int, *, num_computed_tokens: int | None = None) -> int:
         """Where the request's next prefill chunk should end (tokens, absolute): the smallest
         position the checkpoint placement proposes in ``(computed, min(computed + budget, N)]``,
         else that limit (:mod:`mambakv.placement`). The engine schedules ``end - computed``
@@ -978,10 +985,10 @@ class KVCacheCoordinator:
 
         Raises:
             InvalidTokenCountError: a negative or non-int count, or more computed tokens than the request has.
-            InvalidRequestError: `request` is not a Request.
+            InvalidRequestError: `request` is neither a Request nor an EngineRequest.
         """
-        if not isinstance(request, Request):
-            raise InvalidRequestError(f"next_chunk_end needs a Request, got {type(request).__name__}")
+        if not _is_request(request):
+            raise InvalidRequestError(f"next_chunk_end needs a Request or an EngineRequest, got {type(request).__name__}")
         budget = as_count(budget, "budget")
         computed = request.num_computed_tokens if num_computed_tokens is None else as_count(
             num_computed_tokens, "num_computed_tokens")
@@ -991,7 +998,7 @@ class KVCacheCoordinator:
         return self.checkpoint_placement.chunk_end(self, request, computed, budget, self.chunk_alignment)
 
     # ------------------------------------------------------------------ host tier
-    def get_computed_blocks_tiered(self, request: Request, *, now: float | None = None) -> TieredHit:
+    def get_computed_blocks_tiered(self, request: EngineRequest, *, now: float | None = None) -> TieredHit:
         """The longest prefix hit over the GPU and the host tier; starts the load of its host part.
 
         The GPU part is ``get_computed_blocks(request)``. When the host tier holds a deeper hit
@@ -1003,12 +1010,12 @@ class KVCacheCoordinator:
         returns the GPU part only (``num_host_tokens == 0``). See :mod:`mambakv.host_link`.
 
         Raises (nothing changed):
-            InvalidRequestError: `request` is not a Request, or it holds blocks already.
+            InvalidRequestError: `request` is neither a Request nor an EngineRequest, or it holds blocks already.
             LoadPendingError: its load is in flight (wait for ``complete_load``).
             InvalidClockError: `now` is not a finite number.
         """
-        if not isinstance(request, Request):
-            raise InvalidRequestError(f"get_computed_blocks_tiered needs a Request, got {type(request).__name__}")
+        if not _is_request(request):
+            raise InvalidRequestError(f"get_computed_blocks_tiered needs a Request or an EngineRequest, got {type(request).__name__}")
         rid = request.request_id
         if self._host is not None:
             self._host.check_ready(rid)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
-from mambakv.core.request import Request
+from mambakv.core.engine_request import EngineRequest
 from mambakv.groups import SingleTypeKVCacheManager, group_block_hashes
 from mambakv.groups.kinds import GroupKind
 
@@ -93,7 +93,7 @@ class PrefixHitFinder:
         out.sort(key=lambda lg: lg.manager_class.kind is not GroupKind.FULL_ATTENTION)
         return out
 
-    def find(self, request: Request, *, use_eagle: bool = False,
+    def find(self, request: EngineRequest, *, use_eagle: bool = False,
              max_length: int | None = None) -> tuple[list[list[KVCacheBlock]], int]:
         """Hit blocks per group and the hit length in tokens, capped at ``num_tokens - 1`` (and
         at `max_length`): the fixed point; with `use_eagle` (the drafter recomputes the last hit
@@ -106,7 +106,7 @@ class PrefixHitFinder:
             hits, length = self._fixed_point(request, length - align)
         return hits, length
 
-    def _fixed_point(self, request: Request, length: int) -> tuple[list[list[KVCacheBlock]], int]:
+    def _fixed_point(self, request: EngineRequest, length: int) -> tuple[list[list[KVCacheBlock]], int]:
         """Query lookup groups round-robin until every one agrees on `length`."""
         hits: list[list[KVCacheBlock]] = [[] for _ in self.managers]
         groups = self._lookup_groups
@@ -128,7 +128,7 @@ class PrefixHitFinder:
             return [[] for _ in self.managers], 0
         return hits, length
 
-    def shared_prefix_length(self, request: Request) -> int:
+    def shared_prefix_length(self, request: EngineRequest) -> int:
         """The longest aligned prefix (at most ``num_tokens - 1``) that the attention-type
         groups cache, Mamba groups ignored; 0 without attention groups. Read-only."""
         attention = [lg for lg in self._lookup_groups if lg.manager_class.kind.is_attention]

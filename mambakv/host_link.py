@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from mambakv.core.arena import SuperblockArena
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
+from mambakv.core.engine_request import EngineRequest
 from mambakv.core.errors import InvalidFenceError, InvalidSpecError, LoadPendingError
 from mambakv.core.eviction import make_eviction_policy
 from mambakv.core.host_tier import HostTier, HostTierSpec, HostWrite, first_copy
 from mambakv.core.modes import MambaCacheMode
-from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheConfig
 from mambakv.core.transfers import EMPTY_TRANSFER_PLAN, BlockKind, LoadPlan, Tier, Transfer, TransferPlan
 from mambakv.core.unit_types import Unit
@@ -77,7 +77,7 @@ def build_host_tier(spec: HostTierSpec | None, config: KVCacheConfig, managers: 
 class _Load:
     """One request's load: what it holds on the GPU, what it pins on the host."""
 
-    request: Request
+    request: EngineRequest
     hashes: list[bytes]
     num_gpu_tokens: int
     held_pages: list[KVCacheBlock]                # GPU pages of the hit it touched
@@ -134,7 +134,7 @@ class HostLink:
         self._fenced: dict[int, tuple[list[KVCacheBlock], list[KVCacheBlock]]] = {}
 
     # ------------------------------------------------------------------ lookups and loads
-    def tiered_hit(self, request: Request, blocks: KVCacheBlocks, num_gpu_tokens: int, now: float) -> TieredHit:
+    def tiered_hit(self, request: EngineRequest, blocks: KVCacheBlocks, num_gpu_tokens: int, now: float) -> TieredHit:
         """``KVCacheCoordinator.get_computed_blocks_tiered`` once its checks passed and the GPU
         part (`blocks`, `num_gpu_tokens`) is known: when the host tier holds a deeper hit, start
         its load (GPU room permitting); else change nothing."""
@@ -152,7 +152,7 @@ class HostLink:
             return TieredHit(blocks, num_gpu_tokens, 0, None)
         return TieredHit(blocks, num_gpu_tokens, started.num_tokens, started)
 
-    def _start_load(self, request: Request, hashes: list[bytes], num_gpu_tokens: int, now: float) -> LoadPlan | None:
+    def _start_load(self, request: EngineRequest, hashes: list[bytes], num_gpu_tokens: int, now: float) -> LoadPlan | None:
         """Count, check room, then hold / pin / allocate (see ``get_computed_blocks_tiered``)."""
         host = self.host
         gpu_pmaps, gpu_smaps = self.block_pool.cached_block_hash_to_block, self.state_block_pool.cached_block_hash_to_block
@@ -375,7 +375,7 @@ class HostLink:
             raise LoadPendingError(f"request {request_id!r}: its host-tier load is in flight; allocate after "
                                    f"complete_load")
 
-    def store_freed(self, request: Request, now: float) -> None:
+    def store_freed(self, request: EngineRequest, now: float) -> None:
         """Write-through: store the checkpoints on a freed request's GPU chain the host lacks."""
         host = self.host
         hashes = group_block_hashes(request, host.page_tokens)

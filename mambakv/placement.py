@@ -36,8 +36,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from mambakv.core.engine_request import EngineRequest
 from mambakv.core.errors import InvalidSpecError
-from mambakv.core.request import Request
 
 __all__ = ["DEFAULT_PLACEMENT", "VLLM_PLACEMENT", "CheckpointPlacement", "ChunkEnds", "ChunkGrid", "Junction", "PlacementRule",
            "PrefixQueries", "ReplayBoundary", "placement_from_names", "resolve_placement"]
@@ -46,7 +46,7 @@ __all__ = ["DEFAULT_PLACEMENT", "VLLM_PLACEMENT", "CheckpointPlacement", "ChunkE
 class PrefixQueries(Protocol):
     """What a rule may ask of the coordinator (read-only)."""
 
-    def get_shared_prefix_length(self, request: Request) -> int: ...
+    def get_shared_prefix_length(self, request: EngineRequest) -> int: ...
 
     def holds_blocks(self, request_id: str) -> bool: ...
 
@@ -56,7 +56,7 @@ class PlacementRule(Protocol):
 
     name: str
 
-    def propose(self, coord: PrefixQueries, request: Request, computed: int, limit: int,
+    def propose(self, coord: PrefixQueries, request: EngineRequest, computed: int, limit: int,
                 align: int) -> int | None:
         """The smallest position in ``(computed, limit]`` where this rule wants a state (a
         multiple of `align`), or None. Read-only on the coordinator."""
@@ -77,7 +77,7 @@ class ReplayBoundary:
         n = num_tokens - 1 if self.stop_before_last_token else num_tokens
         return n // align * align
 
-    def propose(self, coord: PrefixQueries, request: Request, computed: int, limit: int,
+    def propose(self, coord: PrefixQueries, request: EngineRequest, computed: int, limit: int,
                 align: int) -> int | None:
         t = self.stop(request.num_tokens, align)
         return t if computed < t <= limit else None
@@ -100,7 +100,7 @@ class Junction:
         """The request's junction (0: none, or not asked yet)."""
         return self._at.get(request_id, 0)
 
-    def propose(self, coord: PrefixQueries, request: Request, computed: int, limit: int,
+    def propose(self, coord: PrefixQueries, request: EngineRequest, computed: int, limit: int,
                 align: int) -> int | None:
         rid = request.request_id
         j = self._at.get(rid)
@@ -120,7 +120,7 @@ class ChunkEnds:
     def __init__(self, boundary: ReplayBoundary | None = None) -> None:
         self.boundary = boundary or ReplayBoundary()
 
-    def propose(self, coord: PrefixQueries, request: Request, computed: int, limit: int,
+    def propose(self, coord: PrefixQueries, request: EngineRequest, computed: int, limit: int,
                 align: int) -> int | None:
         if computed >= self.boundary.stop(request.num_tokens, align):
             return None
@@ -141,7 +141,7 @@ class ChunkGrid:
             raise InvalidSpecError(f"chunk_grid needs a positive token count, got {every!r}")
         self.every = every
 
-    def propose(self, coord: PrefixQueries, request: Request, computed: int, limit: int,
+    def propose(self, coord: PrefixQueries, request: EngineRequest, computed: int, limit: int,
                 align: int) -> int | None:
         if self.every % align:
             raise InvalidSpecError(f"chunk_grid({self.every}) is not a multiple of the alignment {align}")
@@ -166,7 +166,7 @@ class CheckpointPlacement:
     def names(self) -> tuple[str, ...]:
         return tuple(r.name for r in self.rules)
 
-    def chunk_end(self, coord: PrefixQueries, request: Request, computed: int, budget: int,
+    def chunk_end(self, coord: PrefixQueries, request: EngineRequest, computed: int, budget: int,
                   align: int) -> int:
         """End position of the next chunk (``> computed`` when tokens remain and budget > 0)."""
         limit = min(computed + budget, request.num_tokens)

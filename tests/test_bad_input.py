@@ -491,7 +491,8 @@ def test_every_error_class_is_exported():
     import mambakv.core.errors as errors
 
     classes = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, MambaKVError)}
-    assert "InvalidCopyPlanError" in classes and len(classes) == 19  # InvalidClockError: issue 15, LoadPendingError: 17,
-    # ReadOnlyResultError: the shared empty KVCacheBlocks, InvalidFenceError: the transfer fence
+    assert "InvalidCopyPlanError" in classes and len(classes) == 20  # InvalidClockError: issue 15, LoadPendingError: 17,
+    # ReadOnlyResultError: the shared empty KVCacheBlocks, InvalidFenceError: the transfer fence,
+    # UnsupportedEngineError: the vLLM integration (issue 30)
     for name in classes:
         assert name in mambakv.__all__ and getattr(mambakv, name) is getattr(errors, name)

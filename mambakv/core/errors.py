@@ -92,6 +92,12 @@ class InvalidFenceError(MambaKVError, ValueError):
     or above the last plan's)."""
 
 
+class UnsupportedEngineError(MambaKVError, RuntimeError):
+    """An engine integration cannot run here: another version of the engine than the one it
+    was written for, or an engine feature it refuses (``mambakv.integrations.vllm``). The
+    message is one line naming the version or the feature."""
+
+
 class ReadOnlyResultError(MambaKVError, TypeError):
     """A change to a result every caller shares: the empty ``KVCacheBlocks`` that ``allocate``
     returns for a step that takes no block and ``get_computed_blocks`` for a miss (copy its

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class BlockStored:
@@ -57,6 +59,12 @@ class AllBlocksCleared:
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+def _as_int_list(ids: Any) -> list[int]:
+    """A slice of a request's token ids as plain ints: a numpy slice (``Request``) or an
+    engine's own sequence (an ``EngineRequest``'s ``all_token_ids``)."""
+    return ids.tolist() if isinstance(ids, np.ndarray) else [int(t) for t in ids]
+
+
 def stored_event_fields(request: Any, keys: Sequence[bytes], start: int, stop: int,
                         block_size: int) -> dict[str, Any]:
     """Keyword arguments of ``BlockPool.cache_full_blocks`` that only feed the BlockStored
@@ -65,7 +73,7 @@ def stored_event_fields(request: Any, keys: Sequence[bytes], start: int, stop: i
     and name. Managers call it only when events are enabled (the slice is a copy)."""
     return {
         "parent_block_hash": keys[start - 1] if start else None,
-        "token_ids": request.all_token_ids[start * block_size : stop * block_size].tolist(),
+        "token_ids": _as_int_list(request.all_token_ids[start * block_size : stop * block_size]),
         "block_size": block_size,
         "lora_id": request.lora_id,
         "lora_name": request.lora_name,

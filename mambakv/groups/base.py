@@ -34,6 +34,7 @@ from typing import ClassVar
 
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
+from mambakv.core.engine_request import EngineRequest
 from mambakv.core.errors import (
     DoubleFreeError,
     HashBlockSizeMismatchError,
@@ -41,7 +42,6 @@ from mambakv.core.errors import (
     InvalidTokenCountError,
 )
 from mambakv.core.events import stored_event_fields
-from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheSpec
 from mambakv.groups.kinds import GroupKind
 from mambakv.plans import TableView
@@ -86,7 +86,7 @@ class BlockHashView(Sequence[bytes]):
         return self._fine[(i + 1) * self._ratio - 1]
 
 
-def group_block_hashes(request: Request, block_size: int) -> Sequence[bytes]:
+def group_block_hashes(request: EngineRequest, block_size: int) -> Sequence[bytes]:
     """The request's block keys at `block_size` granularity. A request without a hash block
     size adopts `block_size`.
 
@@ -326,7 +326,7 @@ class SingleTypeKVCacheManager(ABC):
         return [new]
 
     # ------------------------------------------------------------------ publish
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, request: EngineRequest, num_tokens: int) -> None:
         """Publish the request's blocks that are full within its first `num_tokens` tokens
         (which must be real tokens, never unverified drafts). Nulls are skipped.
 

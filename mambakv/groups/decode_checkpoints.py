@@ -68,9 +68,9 @@ from collections.abc import Sequence
 
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
+from mambakv.core.engine_request import EngineRequest
 from mambakv.core.events import stored_event_fields
 from mambakv.core.modes import DecodeCheckpoints
-from mambakv.core.request import Request
 from mambakv.groups.base import NEVER, group_block_hashes
 from mambakv.groups.mamba_table import DecodeStep, MambaTable
 
@@ -134,7 +134,7 @@ class DecodeCheckpointPolicy:
         """The next processed count at which ``retire`` must reach the table for this policy."""
         return NEVER
 
-    def on_retire(self, request: Request, t: MambaTable, group_ids: Sequence[int], num_processed_tokens: int) -> None:
+    def on_retire(self, request: EngineRequest, t: MambaTable, group_ids: Sequence[int], num_processed_tokens: int) -> None:
         """``cache_blocks`` of a table with the policy's bookkeeping pending (`group_ids`: the
         groups of the table's columns)."""
 
@@ -312,7 +312,7 @@ class LatestDecodeCheckpoints(DecodeCheckpointPolicy):
         if not steps and num_processed_tokens > t.settled:
             t.settled = num_processed_tokens
 
-    def on_retire(self, request: Request, t: MambaTable, group_ids: Sequence[int], num_processed_tokens: int) -> None:
+    def on_retire(self, request: EngineRequest, t: MambaTable, group_ids: Sequence[int], num_processed_tokens: int) -> None:
         """Settle the decode steps the processed count covers, then publish a waiting checkpoint
         whose boundary is processed: hash it under the boundary's key and free it (it lands at
         the LRU tail, cached)."""

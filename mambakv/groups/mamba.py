@@ -39,6 +39,7 @@ from collections.abc import Sequence
 
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import BlockPool
+from mambakv.core.engine_request import EngineRequest
 from mambakv.core.errors import (
     DoubleFreeError,
     InvalidDraftCountError,
@@ -48,7 +49,6 @@ from mambakv.core.errors import (
     as_count,
 )
 from mambakv.core.events import stored_event_fields
-from mambakv.core.request import Request
 from mambakv.core.spec import KVCacheSpec, MambaCacheMode, MambaSpec
 from mambakv.groups.base import NEVER, BlockTable, SingleTypeKVCacheManager, group_block_hashes, num_evictable
 from mambakv.groups.decode_checkpoints import DecodeCheckpointPolicy, make_decode_policy
@@ -468,7 +468,7 @@ class MambaManager(SingleTypeKVCacheManager):
         return [[(col[slot + num_accepted].block_id, col[slot].block_id)] for col in t.columns]
 
     # ------------------------------------------------------------------ publish
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, request: EngineRequest, num_tokens: int) -> None:
         """Publish the states that are settled: a block whose tagged position is at most
         `num_tokens` *processed* tokens is published iff that position is exactly its slot's
         boundary ``(slot + 1) * block_size``; other settled tags are dropped. Scratch blocks
