@@ -124,6 +124,11 @@ class SimMetrics:
     scheduled_tokens: int = 0
     preemptions: int = 0
     peak_blocks: int = 0
+    #: most bytes the pools' used blocks held at once: each pool's used count x its block's bytes
+    #: (the decoupled layout's pages and states differ in size; unified: ``peak_blocks x`` one size)
+    peak_bytes: int = 0
+    #: bytes of one block of each of the coordinator's pools, in ``coord.pools`` order
+    pool_block_bytes: tuple[int, ...] = ()
     peak_running: int = 0
     copies: int = 0
     library_s: float = 0.0
@@ -163,11 +168,15 @@ class SimMetrics:
         for g, n in zip(self.groups, usage):
             if n > g.peak_blocks:
                 g.peak_blocks = n
-        used = 0
-        for pool in coord.pools:
-            used += pool.num_blocks - 1 - pool.get_num_free_blocks() - pool.num_reserved_blocks
+        used = used_bytes = 0
+        for pool, block_bytes in zip(coord.pools, self.pool_block_bytes):
+            n = pool.num_blocks - 1 - pool.get_num_free_blocks() - pool.num_reserved_blocks
+            used += n
+            used_bytes += n * block_bytes
         if used > self.peak_blocks:
             self.peak_blocks = used
+        if used_bytes > self.peak_bytes:
+            self.peak_bytes = used_bytes
         if coord.arena is not None:
             self.observe_bytes(coord.arena.bytes)
         self.series.append((self.steps, self.clock_ms, tuple(usage), self.hit_rate))
@@ -194,4 +203,7 @@ class SimMetrics:
             groups.append(GroupMetrics(group_kind(m), spec.block_size, len(g.layer_names),
                                        spec.page_size_bytes * len(g.layer_names),
                                        peak_mamba_blocks_per_request=0 if isinstance(m, MambaManager) else None))
-        return cls(groups)
+        pool_bytes: dict[int, int] = {}
+        for m, gm in zip(coord.managers, groups):
+            pool_bytes[m.block_pool.pool_id] = max(pool_bytes.get(m.block_pool.pool_id, 0), gm.block_bytes)
+        return cls(groups, pool_block_bytes=tuple(pool_bytes.get(p.pool_id, 0) for p in coord.pools))

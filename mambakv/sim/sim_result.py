@@ -110,7 +110,7 @@ class SimResult:
             "preemptions": m.preemptions,
             "evictions": pool.num_evictions,
             "peak_blocks": m.peak_blocks,
-            "peak_bytes": m.peak_blocks * bytes_per_block,
+            "peak_bytes": m.peak_bytes,
             "peak_running": m.peak_running,
             "peak_mamba_blocks_per_request": {
                 str(i): g["peak_mamba_blocks_per_request"] for i, g in enumerate(groups)
