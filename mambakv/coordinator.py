@@ -261,6 +261,12 @@ def _build_units(arena: SuperblockArena | None, managers: Sequence[SingleTypeKVC
     return arena.enable_units(pages, states, policy, page_tokens=managers[0].block_size)
 
 
+def _refuse_id(request_id: object) -> None:
+    """Raise InvalidRequestError for a request id that is not a str (call on a lookup's miss)."""
+    if type(request_id) is not str:
+        raise InvalidRequestError(f"request ids are strs, got {type(request_id).__name__} {request_id!r}")
+
+
 class KVCacheCoordinator:
     """One manager per group over one BlockPool (unified) or a SuperblockArena's two pools (decoupled).
 
@@ -450,6 +456,11 @@ class KVCacheCoordinator:
             raise InvalidTokenCountError(f"request {rid!r} would reach {num_tokens} tokens > max_model_len {self.max_model_len}")
         if num_draft_tokens is None:  # the synchronous derivation
             num_drafts = max(num_tokens - request.num_tokens, 0)
+            if num_drafts > self._max_drafts:
+                raise InvalidDraftCountError(
+                    f"request {rid!r}: the step reaches {num_tokens} tokens, {num_drafts} beyond its "
+                    f"{request.num_tokens}; with num_draft_tokens=None those count as draft tokens and a Mamba "
+                    f"group verifies at most {self._max_drafts} (append the tokens first, or pass num_draft_tokens)")
         elif type(num_draft_tokens) is int and 0 <= num_draft_tokens < num_new_tokens:  # the hot path: no call
             num_drafts = num_draft_tokens
         else:
@@ -769,8 +780,7 @@ class KVCacheCoordinator:
             raise InvalidTokenCountError(f"num_processed_tokens must be >= 0, got {num_processed_tokens}")
         live = self._live.get(request_id)
         if live is None or num_processed_tokens == 0:
-            if type(request_id) is not str:
-                raise InvalidRequestError(f"request ids are strs, got {type(request_id).__name__} {request_id!r}")
+            _refuse_id(request_id)
             return
         request = live.request
         if num_processed_tokens > request.num_tokens or num_processed_tokens > live.num_scheduled:
@@ -807,7 +817,9 @@ class KVCacheCoordinator:
 
         Raises (nothing changed):
             InvalidDraftCountError: `num_accepted` outside the step's draft count.
+            InvalidRequestError: `request_id` is not a str.
         """
+        _refuse_id(request_id)
         num_accepted = as_count(num_accepted, "num_accepted", error=InvalidDraftCountError)
         out = {}
         for m in self._mamba_policies:
@@ -840,7 +852,11 @@ class KVCacheCoordinator:
         accepted drafts or None)`` as ``retire(request_id, n, num_accepted_drafts=a)`` (requests
         in the mapping's order). For an engine without per-request bookkeeping.
 
-        Raises: as ``retire``, for the first request that fails (the earlier ones stay settled)."""
+        Raises: as ``retire``, for the first request that fails (the earlier ones stay settled);
+            InvalidRequestError: `outputs` is not a mapping (nothing changed)."""
+        if not isinstance(outputs, Mapping):
+            raise InvalidRequestError(f"update_from_output takes a mapping of request id -> (processed tokens, "
+                                      f"accepted drafts or None), got {type(outputs).__name__}")
         for rid, (num_processed, num_accepted) in outputs.items():
             self.retire(rid, num_processed, num_accepted_drafts=num_accepted)
 
@@ -881,8 +897,7 @@ class KVCacheCoordinator:
             host.release(request_id, self.now)
             return
         if request_id not in self._live and not any(request_id in m.req_to_blocks for m in self.managers):
-            if type(request_id) is not str:
-                raise InvalidRequestError(f"request ids are strs, got {type(request_id).__name__} {request_id!r}")
+            _refuse_id(request_id)
             self.checkpoint_placement.forget(request_id)
             return
         for m in self.policies:
@@ -1141,7 +1156,11 @@ class KVCacheCoordinator:
 
     def get_state_plan(self, request_id: str) -> dict[int, StatePlan]:
         """Per Mamba group holding the request: its running / spare / scratch block ids
-        (MambaManager.get_state_plan)."""
+        (MambaManager.get_state_plan).
+
+        Raises:
+            InvalidRequestError: `request_id` is not a str."""
+        _refuse_id(request_id)
         out = {}
         for m in self.mamba_managers:
             plan = m.get_state_plan(request_id)
@@ -1155,7 +1174,11 @@ class KVCacheCoordinator:
         (after the step's pre-forward copies) and writes it and the scratch rows. ``-1`` where
         there is none: every entry of a group that holds no state for the request yet. Rows are
         state slot ids in the decoupled layout (``DecoupledLayout.mamba_states``), block ids in
-        the unified one."""
+        the unified one.
+
+        Raises:
+            InvalidRequestError: `request_id` is not a str."""
+        _refuse_id(request_id)
         out = {}
         for m in self.mamba_managers:
             plan = m.get_state_plan(request_id)
@@ -1167,8 +1190,14 @@ class KVCacheCoordinator:
 
     # ------------------------------------------------------------------ queries
     def holds_blocks(self, request_id: str) -> bool:
-        """Whether the request holds blocks (allocated and not freed). O(1)."""
-        return request_id in self._live
+        """Whether the request holds blocks (allocated and not freed). O(1).
+
+        Raises:
+            InvalidRequestError: `request_id` is not a str."""
+        if request_id in self._live:
+            return True
+        _refuse_id(request_id)
+        return False
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Block ids of the request's table in every group (null entries are 0); empty lists
@@ -1176,8 +1205,7 @@ class KVCacheCoordinator:
 
         Raises:
             InvalidRequestError: `request_id` is not a str."""
-        if type(request_id) is not str:
-            raise InvalidRequestError(f"request ids are strs, got {type(request_id).__name__} {request_id!r}")
+        _refuse_id(request_id)
         return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.managers)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
@@ -1186,8 +1214,7 @@ class KVCacheCoordinator:
 
         Raises:
             InvalidRequestError: `request_id` is not a str."""
-        if type(request_id) is not str:
-            raise InvalidRequestError(f"request ids are strs, got {type(request_id).__name__} {request_id!r}")
+        _refuse_id(request_id)
         tables = tuple([*m.req_to_blocks.get(request_id, ())] for m in self.managers)
         return KVCacheBlocks(tables, tables)
 
@@ -1203,9 +1230,13 @@ class KVCacheCoordinator:
     def describe(self, request_id: str) -> RequestView | None:
         """A read-only snapshot of a live request: its token counts and, per group, its table
         (block ids, cursors, the Mamba running slot, unsettled states, pending verifies). None
-        for a request that holds no blocks."""
+        for a request that holds no blocks.
+
+        Raises:
+            InvalidRequestError: `request_id` is not a str."""
         live = self._live.get(request_id)
         if live is None:
+            _refuse_id(request_id)
             return None
         tables: list[TableView] = []
         for gid, m in enumerate(self.managers):

@@ -496,3 +496,51 @@ def test_every_error_class_is_exported():
     # UnsupportedEngineError: the vLLM integration (issue 30)
     for name in classes:
         assert name in mambakv.__all__ and getattr(mambakv, name) is getattr(errors, name)
+
+
+def test_every_lookup_by_id_refuses_a_non_str_id():
+    """Each call that takes a request id refuses an int id with InvalidRequestError, state
+    unchanged (the same hand count as above: 28 free after "r" is allocated to 8); a str id of
+    no live request stays the documented quiet answer."""
+    coord, _ = _coord()
+    calls = [lambda rid: coord.accept_drafts(rid, 0), coord.describe, coord.holds_blocks,
+             coord.get_state_slot_ids, coord.get_state_plan, coord.get_block_ids, coord.get_blocks,
+             lambda rid: coord.retire(rid, 1), coord.free, lambda rid: coord.update_from_output({rid: (1, None)})]
+    for call in calls:
+        with pytest.raises(InvalidRequestError, match="request ids are strs"):
+            call(3)
+        assert coord.block_pool.get_num_free_blocks() == 28 and coord.get_block_ids("r") == ([1, 2], [0, 3])
+    assert coord.describe("zzz") is None and coord.holds_blocks("zzz") is False and coord.get_state_plan("zzz") == {}
+    assert coord.holds_blocks("r") is True
+    coord.check_invariants()
+
+
+def test_update_from_output_takes_a_mapping():
+    coord, _ = _coord()
+    with pytest.raises(InvalidRequestError, match="mapping"):
+        coord.update_from_output([("r", (8, None))])  # type: ignore[arg-type]
+    assert coord.block_pool.get_num_free_blocks() == 28
+    coord.update_from_output({"r": (8, None)})
+    assert coord.block_pool.get_num_free_blocks() == 28 and coord.get_block_ids("r") == ([1, 2], [0, 3])
+    coord.check_invariants()
+
+
+@pytest.mark.parametrize(("key", "value"), [("lora_name", 7), ("cache_salt", b"tenant"), ("cache_salt", 1.5)])
+def test_request_refuses_a_non_str_hash_key(key, value):
+    """lora_name and cache_salt go into the block hashes as text: before the check a non-str
+    passed construction and raised TypeError at the first hash, inside allocate."""
+    with pytest.raises(InvalidRequestError, match=key):
+        Request("r", [1, 2, 3, 4], **{key: value})
+    assert Request("r", [1, 2, 3, 4], **{key: "x"}).block_hashes is not None
+
+
+def test_allocate_past_the_request_names_the_tokens_not_drafts():
+    """A 9-token request, 8 computed, allocate(req, 50): 58 tokens (max_model_len 64), 49 past
+    its 9. The Mamba group has 0 speculative blocks; the error says the step runs past the
+    request's tokens (it said "49 draft tokens", which the caller never asked for). Nothing
+    changes."""
+    coord, req = _coord()
+    _unchanged(coord, 28, lambda: coord.allocate(req, 50), MambaKVError)
+    with pytest.raises(MambaKVError, match=r"reaches 58 tokens, 49 beyond its 9"):
+        coord.allocate(req, 50)
+    assert coord.get_block_ids("r") == ([1, 2], [0, 3])

@@ -40,7 +40,8 @@ class Request:
         InvalidTokenCountError: empty prompt, an id outside ``0 .. 2**31 - 1`` or not an int,
             bad mm_hashes.
         InvalidRequestError: a request_id that is not a non-empty str, a prompt given as text
-            (``str`` / ``bytes`` / ``bytearray``), a max_tokens or lora_id not None nor an int >= 0.
+            (``str`` / ``bytes`` / ``bytearray``), a max_tokens or lora_id not None nor an int >= 0,
+            a lora_name or cache_salt not None nor a str.
         HashBlockSizeMismatchError: a non-positive hash_block_size.
     """
 
@@ -64,6 +65,10 @@ class Request:
         if lora_id is not None and (not isinstance(lora_id, (int, np.integer)) or isinstance(lora_id, bool)
                                     or lora_id < 0):
             raise InvalidRequestError(f"lora_id must be None or an int >= 0, got {lora_id!r}")
+        for name, key in (("lora_name", lora_name), ("cache_salt", cache_salt)):
+            if key is not None and not isinstance(key, str):
+                raise InvalidRequestError(f"request {request_id!r}: {name} must be None or a str (it is part of "
+                                          f"the block hashes), got {type(key).__name__} {key!r}")
         tokens = np.ascontiguousarray(as_token_array(prompt_token_ids))
         if tokens.size == 0:
             raise InvalidTokenCountError(f"request {request_id!r} has an empty prompt")
