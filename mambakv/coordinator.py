@@ -456,11 +456,6 @@ class KVCacheCoordinator:
             raise InvalidTokenCountError(f"request {rid!r} would reach {num_tokens} tokens > max_model_len {self.max_model_len}")
         if num_draft_tokens is None:  # the synchronous derivation
             num_drafts = max(num_tokens - request.num_tokens, 0)
-            if num_drafts > self._max_drafts:
-                raise InvalidDraftCountError(
-                    f"request {rid!r}: the step reaches {num_tokens} tokens, {num_drafts} beyond its "
-                    f"{request.num_tokens}; with num_draft_tokens=None those count as draft tokens and a Mamba "
-                    f"group verifies at most {self._max_drafts} (append the tokens first, or pass num_draft_tokens)")
         elif type(num_draft_tokens) is int and 0 <= num_draft_tokens < num_new_tokens:  # the hot path: no call
             num_drafts = num_draft_tokens
         else:
@@ -468,8 +463,7 @@ class KVCacheCoordinator:
         if num_tokens + num_lookahead_tokens > self.max_model_len:  # lookahead is capped, never refused
             num_lookahead_tokens = self.max_model_len - num_tokens
         if num_drafts > self._max_drafts and new_computed_blocks is None:  # (with hits: after their check)
-            for m in self.mamba_managers:  # the group whose rule it breaks raises
-                m.check_step(num_tokens, num_drafts)
+            self._refuse_drafts(request, num_tokens, num_drafts, num_draft_tokens is None)
         if num_processed_tokens is not None:  # retire(rid, n) first, inline for a plain count
             n = num_processed_tokens
             if live is not None and type(n) is int and 0 < n <= live.num_scheduled and n <= request.num_tokens:
@@ -486,11 +480,23 @@ class KVCacheCoordinator:
                 live.num_scheduled = num_tokens
             return self._empty_blocks
         return self._allocate_step(request, live, num_new_computed_tokens, new_computed_blocks, num_computed,
-                                   num_tokens, num_lookahead_tokens, num_drafts, now)
+                                   num_tokens, num_lookahead_tokens, num_drafts, now, num_draft_tokens is None)
+
+    def _refuse_drafts(self, request: EngineRequest, num_tokens: int, num_drafts: int, derived: bool) -> None:
+        """Raise InvalidDraftCountError for more drafts than a Mamba group verifies; `derived`:
+        they are the tokens past the request's (``num_draft_tokens=None``), and the error says so."""
+        if derived:
+            raise InvalidDraftCountError(
+                f"request {request.request_id!r}: the step reaches {num_tokens} tokens, {num_drafts} beyond its "
+                f"{request.num_tokens}; with num_draft_tokens=None those count as draft tokens and a Mamba group "
+                f"verifies at most {self._max_drafts} (append the tokens first, or pass num_draft_tokens)")
+        for m in self.mamba_managers:  # the group whose rule it breaks raises
+            m.check_step(num_tokens, num_drafts)
 
     def _allocate_step(self, request: EngineRequest, live: RequestState | None, num_new_computed_tokens: int,
                        new_computed_blocks: KVCacheBlocks | None, num_computed: int, num_tokens: int,
-                       num_lookahead_tokens: int, num_drafts: int, now: float | None) -> KVCacheBlocks | None:
+                       num_lookahead_tokens: int, num_drafts: int, now: float | None,
+                       derived_drafts: bool) -> KVCacheBlocks | None:
         """``allocate`` once its own checks passed and the step is not quiet: the hit and
         rewrite checks, count, commit, publish, plan."""
         rid = request.request_id
@@ -502,8 +508,7 @@ class KVCacheCoordinator:
         else:
             hits = self._checked_hits(request, new_computed_blocks, num_new_computed_tokens)
             if num_drafts > self._max_drafts:
-                for m in self.mamba_managers:  # the group whose rule it breaks raises
-                    m.check_step(num_tokens, num_drafts)
+                self._refuse_drafts(request, num_tokens, num_drafts, derived_drafts)
         if live is not None:  # a group refuses to rewrite a published running state before any group commits
             for mp in self._mamba_policies:
                 mp.check_writable_step(rid, num_tokens, decode)

@@ -188,6 +188,8 @@ class SuperblockArena:
                 pages are not checked here: the page pops themselves raise when short.
         """
         if self.units is not None:
+            if not num_slots and count_unhashed(self.pages, num_pages) == num_pages:
+                return  # the common decode page crossing: the pops take unhashed free pages
             self._evict_units_for(num_pages, num_slots)
             self._room_for_slots_units(num_slots, num_pages)
             self._room_for_pages_units(num_pages, num_slots)
