@@ -38,6 +38,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import py_ref_ms  # noqa: E402
 
 from mambakv.sim import load_trace, run_replay, run_trace  # noqa: E402
 from mambakv.sim.sim_request import BudgetTooSmallError  # noqa: E402
@@ -229,6 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", default=None, help="write every record as JSON")
     ap.add_argument("--plot", metavar="PNG", default=None, help="two panels, log x (needs matplotlib)")
     args = ap.parse_args(argv)
+    ref_ms = [py_ref_ms()]
+    print(f"py_ref_ms {ref_ms[0]:.1f} (about 22 on a quiet machine of this kind)", flush=True)
     t0 = time.perf_counter()
     prompt: list[dict[str, Any]] = []
     cache: list[dict[str, Any]] = []
@@ -248,7 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(" ".join(f"{r['layout']}={r['library_us_per_request']:.1f}us/req hit={r['hit_rate']:.4f}"
                                for r in recs), f"cache={gib:g}GiB", f"t={time.perf_counter() - t0:.0f}s", flush=True)
     wall = time.perf_counter() - t0
-    print(f"wall {wall:.0f} s")
+    ref_ms.append(py_ref_ms())
+    print(f"wall {wall:.0f} s; py_ref_ms {ref_ms[1]:.1f} at the end")
     if args.markdown:
         for title, lines in (("prompt length", prompt_table(prompt) if prompt else []),
                              ("cache size", cache_table(cache) if cache else [])):
@@ -256,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"\n{title}:\n")
                 print("\n".join(lines))
     if args.json:
-        Path(args.json).write_text(json.dumps({"argv": sys.argv[1:], "wall_s": wall, "prompt": prompt,
+        Path(args.json).write_text(json.dumps({"argv": sys.argv[1:], "wall_s": wall, "py_ref_ms": ref_ms, "prompt": prompt,
                                                "cache": cache}, indent=1) + "\n")
     if args.plot and not plot(prompt, cache, args.plot):
         print("matplotlib not importable: no plot")
