@@ -247,3 +247,23 @@ def test_refused_features_name_themselves(model: Path, attribute: str, value: An
     with pytest.raises(UnsupportedEngineError, match=feature) as err:
         setup.install_mambakv(sched)
     assert "\n" not in str(err.value) and sched.kv_cache_manager is own
+
+
+@pytest.mark.parametrize("as_ints", [True, False], ids=["int-keys", "bytes-keys"])
+def test_event_keys_are_the_ones_vllm_publishes(monkeypatch: pytest.MonkeyPatch, as_ints: bool) -> None:
+    """Event keys as vLLM publishes them, the setting read once per batch: with
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` the low 64 bits of the big-endian hash (by hand:
+    bytes 0..31 end in 18 19 1a 1b 1c 1d 1e 1f, bytes 1..32 in 19 .. 20), else the bytes."""
+    from mambakv import BlockRemoved, BlockStored
+
+    envs = importlib.import_module("vllm.envs")
+    convert = importlib.import_module("vllm.v1.core.kv_cache_utils").maybe_convert_block_hash
+    events = importlib.import_module("mambakv.integrations.vllm.events")
+    monkeypatch.setattr(envs, "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", as_ints)
+    h0, h1 = bytes(range(32)), bytes(range(1, 33))
+    out = events.to_vllm_events([BlockStored([h1], h0, list(range(16)), 16, None), BlockRemoved([h0])],
+                                (("full_attention", None),))
+    k0, k1 = (0x18191A1B1C1D1E1F, 0x191A1B1C1D1E1F20) if as_ints else (h0, h1)
+    assert out[0].block_hashes == [k1] and out[0].parent_block_hash == k0 and out[1].block_hashes == [k0]
+    assert [convert(h0), convert(h1)] == [k0, k1]  # vLLM's own conversion agrees
+    assert out[0].token_ids == list(range(16)) and out[0].kv_cache_spec_kind == "full_attention"
