@@ -22,7 +22,7 @@ from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec
 
 from mambakv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
-__all__ = ["event_key_converter", "event_metadata", "to_vllm_events"]
+__all__ = ["event_metadata", "to_vllm_events"]
 
 _LOW_64_BITS = (1 << 64) - 1
 
@@ -32,7 +32,12 @@ def _int_key(block_hash: bytes) -> int:
     return int.from_bytes(block_hash, "big") & _LOW_64_BITS
 
 
-def event_key_converter() -> Callable[[bytes], Any] | None:
+def _keys(block_hashes: list[bytes], key: Callable[[bytes], Any] | None) -> list[Any]:
+    """An event's hashes as vLLM's event keys (the list itself when they stay bytes)."""
+    return block_hashes if key is None else [key(h) for h in block_hashes]
+
+
+def _key_converter() -> Callable[[bytes], Any] | None:
     """How vLLM's events carry a block hash under the current environment: a function to an
     int key (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` set), or None (the bytes themselves)."""
     return _int_key if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES else None
@@ -50,21 +55,20 @@ def to_vllm_events(events: Sequence[KVCacheEvent], metadata: Sequence[tuple[str,
     out: list[Any] = []
     if not events:
         return out
-    key = event_key_converter()
+    key = _key_converter()
     for ev in events:
         if isinstance(ev, BlockStored):
             kind, window = metadata[ev.group_id]
             parent = ev.parent_block_hash
             out.append(VllmBlockStored(
-                block_hashes=ev.block_hashes if key is None else [key(h) for h in ev.block_hashes],
+                block_hashes=_keys(ev.block_hashes, key),
                 parent_block_hash=parent if key is None or parent is None else key(parent),
                 token_ids=ev.token_ids, block_size=ev.block_size, lora_id=ev.lora_id, medium=ev.medium,
                 lora_name=ev.lora_name, group_idx=ev.group_id, kv_cache_spec_kind=kind,
                 kv_cache_spec_sliding_window=window))
         elif isinstance(ev, BlockRemoved):
-            out.append(VllmBlockRemoved(
-                block_hashes=ev.block_hashes if key is None else [key(h) for h in ev.block_hashes],
-                medium=ev.medium, group_idx=ev.group_id))
+            out.append(VllmBlockRemoved(block_hashes=_keys(ev.block_hashes, key), medium=ev.medium,
+                                        group_idx=ev.group_id))
         elif isinstance(ev, AllBlocksCleared):
             out.append(VllmAllBlocksCleared())
     return out
