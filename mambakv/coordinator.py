@@ -445,12 +445,14 @@ class KVCacheCoordinator:
         if now is not None and not (type(now) is float and now - now == 0.0 and now >= 0.0):  # the hot path: no call
             now = as_seconds(now)
         live = self._live.get(rid)
-        if (live is None or live.request is not request or num_new_computed_tokens
-                or request.num_computed_tokens > live.num_scheduled):  # all but a running request's step
+        num_computed = -1 if live is None or live.request is not request else request.num_computed_tokens
+        if (live is None or num_computed < 0 or num_new_computed_tokens
+                or num_computed > live.num_scheduled):  # all but a running request's step
             _check_computed(request, live, num_new_computed_tokens, new_computed_blocks)
             if live is None and self._host is not None:
                 self._host.check_ready(rid)
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
+            num_computed = request.num_computed_tokens
+        num_computed += num_new_computed_tokens
         num_tokens = num_computed + num_new_tokens
         if num_tokens > self.max_model_len:
             raise InvalidTokenCountError(f"request {rid!r} would reach {num_tokens} tokens > max_model_len {self.max_model_len}")

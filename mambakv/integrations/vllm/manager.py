@@ -111,6 +111,8 @@ class VllmKVCacheManager:
 
     # ------------------------------------------------------------------ requests
     def _view(self, request: Any) -> VllmRequestView:
+        """The request's view, made on first sight (and again for another object with the
+        same id): one per request from its first lookup to its finish."""
         view = self._views.get(request.request_id)
         if view is None or view.request is not request:
             view = self._views[request.request_id] = VllmRequestView(request, self.hash_block_size)
@@ -163,14 +165,20 @@ class VllmKVCacheManager:
         if num_external_computed_tokens or num_encoder_tokens or delay_cache_blocks or reserved_blocks:
             raise UnsupportedEngineError("mambakv.integrations.vllm does not support KV connectors or encoder "
                                          "tokens (allocate_slots got external / encoder / delayed / reserved blocks)")
-        view = self._view(request)
+        rid = request.request_id
+        view = self._views.get(rid)  # (inline: once per scheduled request and step)
+        if view is None or view.request is not request:
+            view = self._views[rid] = VllmRequestView(request, self.hash_block_size)
         kv = self.kv
-        hits = None
-        if num_new_computed_tokens and new_computed_blocks is not None:
-            hits = KVCacheBlocks(tuple(list(g) for g in new_computed_blocks.blocks))
         computed = request.num_computed_tokens + num_new_computed_tokens
-        watermark = (self.watermark_blocks if has_scheduled_reqs and request.status in _ADMITTING else 0)
-        if full_sequence_must_fit or watermark:
+        hits = None
+        # A running request's step passes none of these (vLLM asks no gate of it); the
+        # watermark is read first: 0 unless configured.
+        if num_new_computed_tokens or full_sequence_must_fit or (
+                self.watermark_blocks and has_scheduled_reqs and request.status in _ADMITTING):
+            if num_new_computed_tokens and new_computed_blocks is not None:
+                hits = KVCacheBlocks(tuple(list(g) for g in new_computed_blocks.blocks))
+            watermark = (self.watermark_blocks if has_scheduled_reqs and request.status in _ADMITTING else 0)
             free = self.block_pool.get_num_free_blocks()
             if full_sequence_must_fit:
                 full = min(request.num_tokens, self.max_model_len)
@@ -194,7 +202,9 @@ class VllmKVCacheManager:
                              num_processed_tokens=settled if settled > 0 else None)
         if result is None:
             return None
-        appends = result.table_appends if result.table_appends is not None else result.blocks
+        appends = result.table_appends
+        if appends is None:
+            appends = result.blocks
         if not any(appends):
             return self.empty_kv_cache_blocks
         return _vllm_blocks(appends)
