@@ -216,13 +216,12 @@ class VllmKVCacheManager:
             self.kv.retire(request.request_id, min(num_computed_tokens, request.num_tokens))
 
     def free(self, request: Any) -> None:
-        """Free the request's blocks (finished or preempted), after retiring its settled tokens
-        (so what its last processed step completed is published first); a finished request's
-        view goes."""
+        """Free the request's blocks (finished or preempted), publishing what its settled tokens
+        complete first (``free(..., num_processed_tokens=)``: one free of the whole tables, in
+        vLLM's order, so the request's deepest Mamba state is not evicted before its attention
+        blocks); a finished request's view goes."""
         settled = min(request.num_computed_tokens - request.num_in_flight_tokens, request.num_tokens)
-        if self.enable_caching and settled > 0 and self.kv.holds_blocks(request.request_id):
-            self.kv.retire(request.request_id, settled)
-        self.kv.free(request.request_id)
+        self.kv.free(request.request_id, num_processed_tokens=settled if self.enable_caching and settled > 0 else None)
         if request.is_finished():
             self._views.pop(request.request_id, None)
 
