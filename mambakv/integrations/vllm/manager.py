@@ -17,8 +17,9 @@ vLLM's call                                     mambakv
                                                 ``table_appends`` (what the worker appends)
 ``cache_blocks(req, n)`` (after outputs)        ``retire(request_id, n)``; a running
                                                 request's settled tokens are also retired
-                                                in its next ``allocate`` and before ``free``
-``free(req)``                                   ``free(request_id)``
+                                                in its next ``allocate``
+``free(req)``                                   ``free(request_id, num_processed_tokens=
+                                                settled)``: publish, then free whole
 ``get_blocks`` / ``get_block_ids`` / ``usage``  the same names
 ``take_events()``                               ``take_events()`` as vLLM event objects
 ``make_prefix_cache_stats()``                   ``make_prefix_cache_stats()`` as vLLM's
