@@ -496,7 +496,7 @@ class KVCacheCoordinator:
         """``allocate`` once its own checks passed and the step is not quiet: the hit and
         rewrite checks, count, commit, publish, plan."""
         rid = request.request_id
-        if request.hash_block_size != self.hash_block_size:
+        if live is None and request.hash_block_size != self.hash_block_size:  # (fixed once it was admitted)
             request.set_hash_block_size(self.hash_block_size)
         decode = num_computed >= request.num_prompt_tokens
         if new_computed_blocks is None:
@@ -519,9 +519,9 @@ class KVCacheCoordinator:
             policy_hits: Sequence[Sequence[Sequence[KVCacheBlock]]] = self._policy_no_hits
         else:
             policy_hits = [[hits[g] for g in cols] for cols in columns]
-        # A running step without hits or drafts skips the policies it leaves quiet.
+        # A running step without hits or drafts skips the policies it leaves quiet (one policy: it is not quiet).
         active = live.active_policies(num_tokens, num_lookahead_tokens) if (
-            live is not None and hits is self._no_hits and not num_drafts) else None
+            live is not None and hits is self._no_hits and not num_drafts and len(policies) > 1) else None
         if active is not None:
             policies = tuple(compress(policies, active))
             columns = tuple(compress(columns, active))
@@ -577,7 +577,7 @@ class KVCacheCoordinator:
         mamba_lengths = None
         if not new_request:
             mamba_lengths = []
-            for i in self._mamba_policy_index:
+            for i in self._mamba_policy_index:  # (none in an attention-only model)
                 mamba_lengths.append(len(tables[i].blocks))
         for p, cols in zip(policies, columns):
             per_column = p.allocate_columns(rid, num_tokens, num_lookahead_tokens, num_drafts, decode=decode,
