@@ -445,12 +445,14 @@ class KVCacheCoordinator:
         if now is not None and not (type(now) is float and now - now == 0.0 and now >= 0.0):  # the hot path: no call
             now = as_seconds(now)
         live = self._live.get(rid)
-        if (live is None or live.request is not request or num_new_computed_tokens
-                or request.num_computed_tokens > live.num_scheduled):  # all but a running request's step
+        num_computed = -1 if live is None or live.request is not request else request.num_computed_tokens
+        if (live is None or num_computed < 0 or num_new_computed_tokens
+                or num_computed > live.num_scheduled):  # all but a running request's step
             _check_computed(request, live, num_new_computed_tokens, new_computed_blocks)
             if live is None and self._host is not None:
                 self._host.check_ready(rid)
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
+            num_computed = request.num_computed_tokens
+        num_computed += num_new_computed_tokens
         num_tokens = num_computed + num_new_tokens
         if num_tokens > self.max_model_len:
             raise InvalidTokenCountError(f"request {rid!r} would reach {num_tokens} tokens > max_model_len {self.max_model_len}")
@@ -500,7 +502,7 @@ class KVCacheCoordinator:
         """``allocate`` once its own checks passed and the step is not quiet: the hit and
         rewrite checks, count, commit, publish, plan."""
         rid = request.request_id
-        if request.hash_block_size != self.hash_block_size:
+        if live is None and request.hash_block_size != self.hash_block_size:  # (fixed once it was admitted)
             request.set_hash_block_size(self.hash_block_size)
         decode = num_computed >= request.num_prompt_tokens
         if new_computed_blocks is None:
@@ -522,9 +524,9 @@ class KVCacheCoordinator:
             policy_hits: Sequence[Sequence[Sequence[KVCacheBlock]]] = self._policy_no_hits
         else:
             policy_hits = [[hits[g] for g in cols] for cols in columns]
-        # A running step without hits or drafts skips the policies it leaves quiet.
+        # A running step without hits or drafts skips the policies it leaves quiet (one policy: it is not quiet).
         active = live.active_policies(num_tokens, num_lookahead_tokens) if (
-            live is not None and hits is self._no_hits and not num_drafts) else None
+            live is not None and hits is self._no_hits and not num_drafts and len(policies) > 1) else None
         if active is not None:
             policies = tuple(compress(policies, active))
             columns = tuple(compress(columns, active))
@@ -580,7 +582,7 @@ class KVCacheCoordinator:
         mamba_lengths = None
         if not new_request:
             mamba_lengths = []
-            for i in self._mamba_policy_index:
+            for i in self._mamba_policy_index:  # (none in an attention-only model)
                 mamba_lengths.append(len(tables[i].blocks))
         for p, cols in zip(policies, columns):
             per_column = p.allocate_columns(rid, num_tokens, num_lookahead_tokens, num_drafts, decode=decode,
@@ -787,13 +789,25 @@ class KVCacheCoordinator:
         if live is None or num_processed_tokens == 0:
             _refuse_id(request_id)
             return
-        request = live.request
-        if num_processed_tokens > request.num_tokens or num_processed_tokens > live.num_scheduled:
-            raise InvalidTokenCountError(
-                f"request {request_id!r} has {request.num_tokens} tokens, {live.num_scheduled} "
-                f"scheduled: cannot have processed {num_processed_tokens}")
+        num_processed_tokens = self._checked_processed(live, num_processed_tokens)
         if num_processed_tokens >= live.retire_quiet:
             self._retire_live(live, num_processed_tokens)
+
+    @staticmethod
+    def _checked_processed(live: RequestState, num_processed_tokens: object) -> int:
+        """A live request's processed-token count, checked as ``retire`` checks it.
+
+        Raises:
+            InvalidTokenCountError: not an int >= 0, or more than the request's tokens or than
+                any ``allocate`` covered."""
+        n = num_processed_tokens if type(num_processed_tokens) is int else as_count(
+            num_processed_tokens, "num_processed_tokens")
+        request = live.request
+        if n < 0 or n > request.num_tokens or n > live.num_scheduled:
+            raise InvalidTokenCountError(
+                f"request {request.request_id!r} has {request.num_tokens} tokens, {live.num_scheduled} "
+                f"scheduled: cannot have processed {n}")
+        return n
 
     def _retire_live(self, live: RequestState, num_processed_tokens: int) -> None:
         """``retire`` once its count checks passed and the count reached the request's next
@@ -880,18 +894,34 @@ class KVCacheCoordinator:
             if self.units is not None:
                 self.units.now = now
 
-    def free(self, request_id: str, *, now: float | None = None) -> None:
+    def free(self, request_id: str, *, now: float | None = None, num_processed_tokens: int | None = None) -> None:
         """A request finished or is preempted: free every group's table and drop its one
         RequestState. Unknown ids are a no-op. In the decoupled layout its chain joins the
         eviction units (:mod:`mambakv.core.units`) with its ``retain`` hint, at `now` (seconds;
         None: the latest given). With a host tier: a load in flight is aborted, a held one
         released; write-through stores the request's checkpoints the host lacks.
 
+        `num_processed_tokens` (keyword): the request's settled tokens, for an engine whose
+        last step's outputs were not retired yet: what they complete is published first (as
+        ``retire`` publishes), then the tables are freed whole, nothing retired apart. So the
+        free queue receives the request's blocks in one order, every group's table deepest
+        block first, groups in config order (vLLM's order)::
+
+            attention [14 171 172 176]  Mamba [0 0 173 177]   173: the state at 48, published
+            free(rid, num_processed_tokens=48)   queue tail gets 176 172 171 14 177 173
+            retire(rid, 48) then free(rid)       queue tail gets 173 176 172 171 14 177
+
+        The second order puts the request's deepest state ahead of its attention blocks: it is
+        evicted first, and a later hit on the prefix loses that depth while its attention blocks
+        are still cached (tests/integrations: the hybrid runs under pressure).
+
         Raises (nothing changed):
             DoubleFreeError: a block of its tables is already free (an earlier misuse); every
                 group is checked before any is freed.
             InvalidClockError: `now` is not a finite number.
             InvalidRequestError: `request_id` is not a str.
+            InvalidTokenCountError / InvalidDraftCountError: `num_processed_tokens` as
+                ``retire`` refuses it.
         """
         if now is not None:
             now = as_seconds(now)
@@ -905,10 +935,19 @@ class KVCacheCoordinator:
             _refuse_id(request_id)
             self.checkpoint_placement.forget(request_id)
             return
+        live = self._live.get(request_id)
+        publish = 0
+        if num_processed_tokens is not None and live is not None:
+            publish = self._checked_processed(live, num_processed_tokens)
+            for m, t in zip(self.policies, live.tables):
+                m.dead_slots(t, publish)  # raises what a retire to that count would (a verify not accepted)
         for m in self.policies:
             m.check_free(request_id)
         if now is not None:  # every check passed: the clock moves
             self.set_now(now)
+        if publish and self.enable_caching and live is not None:
+            for m in self.policies:
+                m.cache_blocks(live.request, publish)
         units = self.units
         tables = [list(m.req_to_blocks.get(request_id, ())) for m in self._unit_tables] if units is not None else None
         if self._verify_copies:  # a freed request's post-verify copies must not write its reused blocks

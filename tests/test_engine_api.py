@@ -145,3 +145,48 @@ def test_admission_gates(layout: str) -> None:
     for bad in (1.0, -0.1, "0.1", True):
         with pytest.raises(InvalidSpecError):
             coord.can_allocate(new, 64, watermark=bad)  # type: ignore[arg-type]
+
+
+def free_cached_order(coord: KVCacheCoordinator) -> list[int]:
+    """The cached (hashed) free blocks in eviction order (the queue's head first)."""
+    return [b.block_id for b in coord.block_pool.free_block_queue.get_all_free_blocks() if b.block_hash is not None]
+
+
+@pytest.mark.parametrize("one_call", [True, False], ids=["free-with-processed", "retire-then-free"])
+def test_free_with_processed_tokens_frees_in_one_order(one_call: bool) -> None:
+    """A 48-token prompt then one decode token (attention and Mamba blocks of 16, no drafts).
+    By hand: the prompt step takes attention 1, 2, 3 and Mamba 4 (running slot 2, its state at
+    48 tagged); the decode step publishes state 4 (48 processed), takes attention 5 and Mamba 6
+    (the running slot moves to 3, copy 4 -> 6): tables [1 2 3 5] and [0 0 4 6]. The decode's
+    output comes back (49 processed) and the request finishes. ``free(a,
+    num_processed_tokens=49)`` frees the tables whole, attention deepest first, then Mamba:
+    cached blocks in eviction order 3 2 1 4, so the state at 48 goes after the attention
+    blocks it needs (vLLM's order). Retiring 49 first frees slot 2's state 4 on its own,
+    ahead of them: 4 3 2 1, the state is evicted first."""
+    coord = build(nspec=0)
+    req = run_prompt(coord, "a", list(range(48)))
+    assert coord.get_block_ids("a") == ([1, 2, 3], [0, 0, 4])
+    req.append_output_token_ids(7)
+    assert coord.allocate(req, 1, num_draft_tokens=0) is not None
+    req.num_computed_tokens = 49
+    assert coord.get_block_ids("a") == ([1, 2, 3, 5], [0, 0, 4, 6])
+    assert coord.block_pool.blocks[4].block_hash is not None  # the state at 48, published
+    if one_call:
+        coord.free("a", num_processed_tokens=49)
+        assert free_cached_order(coord) == [3, 2, 1, 4]
+    else:
+        coord.retire("a", 49)
+        coord.free("a")
+        assert free_cached_order(coord) == [4, 3, 2, 1]
+    coord.check_invariants()
+
+
+def test_free_with_processed_tokens_checks_the_count_first() -> None:
+    """More processed tokens than were scheduled is refused before anything is freed."""
+    coord = build(nspec=0)
+    run_prompt(coord, "a", list(range(48)))
+    with pytest.raises(InvalidTokenCountError):
+        coord.free("a", num_processed_tokens=49)
+    assert coord.get_block_ids("a") == ([1, 2, 3], [0, 0, 4])
+    coord.free("a", num_processed_tokens=48)  # the prompt step's outputs: published already
+    assert free_cached_order(coord) == [3, 2, 1, 4] and not coord.holds_blocks("a")

@@ -62,7 +62,7 @@ KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 def _as_int_list(ids: Any) -> list[int]:
     """A slice of a request's token ids as plain ints: a numpy slice (``Request``) or an
     engine's own sequence (an ``EngineRequest``'s ``all_token_ids``)."""
-    return ids.tolist() if isinstance(ids, np.ndarray) else [int(t) for t in ids]
+    return ids.tolist() if isinstance(ids, np.ndarray) else list(map(int, ids))
 
 
 def stored_event_fields(request: Any, keys: Sequence[bytes], start: int, stop: int,
@@ -94,7 +94,9 @@ def stored_events(new: Sequence[int], block_hashes: Sequence[bytes], group_id: i
             continue
         lo, hi = new[start], new[k - 1] + 1
         parent = block_hashes[lo - 1] if lo else parent_block_hash
-        ids = list(token_ids[lo * block_size : hi * block_size]) if token_ids is not None else []
+        ids = token_ids[lo * block_size : hi * block_size] if token_ids is not None else []
+        if type(ids) is not list:  # (a list's slice is already a copy of its own)
+            ids = list(ids)
         out.append(BlockStored(list(block_hashes[lo:hi]), parent, ids, block_size, lora_id,
                                group_id=group_id, lora_name=lora_name))
         start = k

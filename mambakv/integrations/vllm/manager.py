@@ -17,8 +17,9 @@ vLLM's call                                     mambakv
                                                 ``table_appends`` (what the worker appends)
 ``cache_blocks(req, n)`` (after outputs)        ``retire(request_id, n)``; a running
                                                 request's settled tokens are also retired
-                                                in its next ``allocate`` and before ``free``
-``free(req)``                                   ``free(request_id)``
+                                                in its next ``allocate``
+``free(req)``                                   ``free(request_id, num_processed_tokens=
+                                                settled)``: publish, then free whole
 ``get_blocks`` / ``get_block_ids`` / ``usage``  the same names
 ``take_events()``                               ``take_events()`` as vLLM event objects
 ``make_prefix_cache_stats()``                   ``make_prefix_cache_stats()`` as vLLM's
@@ -111,6 +112,8 @@ class VllmKVCacheManager:
 
     # ------------------------------------------------------------------ requests
     def _view(self, request: Any) -> VllmRequestView:
+        """The request's view, made on first sight (and again for another object with the
+        same id): one per request from its first lookup to its finish."""
         view = self._views.get(request.request_id)
         if view is None or view.request is not request:
             view = self._views[request.request_id] = VllmRequestView(request, self.hash_block_size)
@@ -163,14 +166,20 @@ class VllmKVCacheManager:
         if num_external_computed_tokens or num_encoder_tokens or delay_cache_blocks or reserved_blocks:
             raise UnsupportedEngineError("mambakv.integrations.vllm does not support KV connectors or encoder "
                                          "tokens (allocate_slots got external / encoder / delayed / reserved blocks)")
-        view = self._view(request)
+        rid = request.request_id
+        view = self._views.get(rid)  # (inline: once per scheduled request and step)
+        if view is None or view.request is not request:
+            view = self._views[rid] = VllmRequestView(request, self.hash_block_size)
         kv = self.kv
-        hits = None
-        if num_new_computed_tokens and new_computed_blocks is not None:
-            hits = KVCacheBlocks(tuple(list(g) for g in new_computed_blocks.blocks))
         computed = request.num_computed_tokens + num_new_computed_tokens
-        watermark = (self.watermark_blocks if has_scheduled_reqs and request.status in _ADMITTING else 0)
-        if full_sequence_must_fit or watermark:
+        hits = None
+        # A running request's step passes none of these (vLLM asks no gate of it); the
+        # watermark is read first: 0 unless configured.
+        if num_new_computed_tokens or full_sequence_must_fit or (
+                self.watermark_blocks and has_scheduled_reqs and request.status in _ADMITTING):
+            if num_new_computed_tokens and new_computed_blocks is not None:
+                hits = KVCacheBlocks(tuple(list(g) for g in new_computed_blocks.blocks))
+            watermark = (self.watermark_blocks if has_scheduled_reqs and request.status in _ADMITTING else 0)
             free = self.block_pool.get_num_free_blocks()
             if full_sequence_must_fit:
                 full = min(request.num_tokens, self.max_model_len)
@@ -194,7 +203,9 @@ class VllmKVCacheManager:
                              num_processed_tokens=settled if settled > 0 else None)
         if result is None:
             return None
-        appends = result.table_appends if result.table_appends is not None else result.blocks
+        appends = result.table_appends
+        if appends is None:
+            appends = result.blocks
         if not any(appends):
             return self.empty_kv_cache_blocks
         return _vllm_blocks(appends)
@@ -206,13 +217,12 @@ class VllmKVCacheManager:
             self.kv.retire(request.request_id, min(num_computed_tokens, request.num_tokens))
 
     def free(self, request: Any) -> None:
-        """Free the request's blocks (finished or preempted), after retiring its settled tokens
-        (so what its last processed step completed is published first); a finished request's
-        view goes."""
+        """Free the request's blocks (finished or preempted), publishing what its settled tokens
+        complete first (``free(..., num_processed_tokens=)``: one free of the whole tables, in
+        vLLM's order, so the request's deepest Mamba state is not evicted before its attention
+        blocks); a finished request's view goes."""
         settled = min(request.num_computed_tokens - request.num_in_flight_tokens, request.num_tokens)
-        if self.enable_caching and settled > 0 and self.kv.holds_blocks(request.request_id):
-            self.kv.retire(request.request_id, settled)
-        self.kv.free(request.request_id)
+        self.kv.free(request.request_id, num_processed_tokens=settled if self.enable_caching and settled > 0 else None)
         if request.is_finished():
             self._views.pop(request.request_id, None)
 
