@@ -67,9 +67,9 @@ def _hybrid_with_cached_prefix():
 def test_hit_blocks_must_cover_exactly_the_claimed_tokens(claimed):
     coord, b, hits = _hybrid_with_cached_prefix()
     before = snapshot(coord)
-    with pytest.raises(InvalidBlockError):  # (explicit drafts: 256 + 8 passes b's 200 tokens, which the
-        # derivation of num_draft_tokens=None refuses first, as drafts beyond what a Mamba group verifies)
-        coord.allocate(b, 8, num_new_computed_tokens=claimed, new_computed_blocks=hits, num_draft_tokens=0)
+    with pytest.raises(InvalidBlockError):  # claimed 256: 264 tokens pass b's 200; the hit check still comes
+        # before the draft derivation's refusal (num_draft_tokens=None), which is checked after the hits
+        coord.allocate(b, 8, num_new_computed_tokens=claimed, new_computed_blocks=hits)
     assert snapshot(coord) == before
 
 
