@@ -5,6 +5,7 @@ admission gates of ``can_allocate`` (the whole prompt, a watermark) in both layo
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from mambakv import (
@@ -19,6 +20,7 @@ from mambakv import (
     Request,
 )
 from mambakv.core.arena import SuperblockGeometry
+from mambakv.sim import RequestSpec, run_workload
 from tests.helpers import STATE_DTYPES, STATE_SHAPES
 
 BS = 16
@@ -190,3 +192,22 @@ def test_free_with_processed_tokens_checks_the_count_first() -> None:
     assert coord.get_block_ids("a") == ([1, 2, 3], [0, 0, 4])
     coord.free("a", num_processed_tokens=48)  # the prompt step's outputs: published already
     assert free_cached_order(coord) == [3, 2, 1, 4] and not coord.holds_blocks("a")
+
+
+def test_reference_scheduler_frees_a_finished_request_in_one_order() -> None:
+    """The reference scheduler finishes a request with ``free(..., num_processed_tokens=)``.
+    A 48-token prompt and 2 outputs (blocks of 16, no drafts). By hand: the scheduler's
+    placement ends the first chunk at 32 (attention 1, 2; Mamba running block 3), then 16
+    tokens (attention 4, Mamba 5: the state at 32 in 3 is published), then the decode token
+    (attention 6, Mamba 7; retiring 48 publishes the state at 48 in 5 and frees 3, the state
+    at 32, which stays cached). Tables at the finish: [1 2 4 6], [0 0 5 7]; 49 processed. The
+    cached free blocks in eviction order: 3, then attention deepest first 4 2 1, then the
+    state at 48, 5 (vLLM's order): [3, 4, 2, 1, 5]. Retiring 49 before the free put 5 ahead
+    of the attention blocks: [3, 5, 4, 2, 1], the deepest state evicted first."""
+    coord = build(nspec=0)
+    prompt = np.arange(48, dtype=np.int32)
+    spec = RequestSpec("a", 0.0, 48, 2, lambda: prompt, output_token_ids=np.array([7, 8], dtype=np.int32))
+    result = run_workload(coord, [spec], one_at_a_time=True)
+    assert result.to_dict()["finished"] == 1 and not coord.holds_blocks("a")
+    assert free_cached_order(coord) == [3, 4, 2, 1, 5]
+    coord.check_invariants()

@@ -606,9 +606,10 @@ class Scheduler:
             t = now()
             if ids is not None:
                 req.append_output_token_ids(ids)
-            coord.retire(rid, sreq.processed)
-            if done:
-                coord.free(rid, now=now_s)
+            if done:  # the settled tokens' publishes, then the tables whole: vLLM's free order
+                coord.free(rid, now=now_s, num_processed_tokens=sreq.processed)
+            else:
+                coord.retire(rid, sreq.processed)
             mt.library_s += now() - t
             mt.library_calls += 1
             if done:
