@@ -211,3 +211,23 @@ def test_reference_scheduler_frees_a_finished_request_in_one_order() -> None:
     assert result.to_dict()["finished"] == 1 and not coord.holds_blocks("a")
     assert free_cached_order(coord) == [3, 4, 2, 1, 5]
     coord.check_invariants()
+
+
+@pytest.mark.parametrize("processed", [48, None])
+def test_free_with_processed_tokens_publishes_what_they_settle(processed: int | None) -> None:
+    """A 48-token prompt allocated (attention 1, 2, 3; Mamba running block 4, its state at 48
+    tagged) and never retired. The attention blocks are published at the allocation (their KV
+    is written before it is read); the state at 48 only once 48 tokens are processed. So
+    ``free(a, num_processed_tokens=48)`` publishes it, then frees the tables whole: cached
+    blocks in eviction order 3 2 1 4. Without the count the state was never settled: 3 2 1."""
+    coord = build(nspec=0)
+    req = Request("a", list(range(48)))
+    assert coord.allocate(req, 48, num_draft_tokens=0) is not None
+    assert coord.get_block_ids("a") == ([1, 2, 3], [0, 0, 4])
+    coord.free("a", num_processed_tokens=processed)
+    if processed is None:
+        assert free_cached_order(coord) == [3, 2, 1] and coord.block_pool.blocks[4].block_hash is None
+    else:
+        assert free_cached_order(coord) == [3, 2, 1, 4]
+        assert coord.block_pool.blocks[4].block_hash == req.block_hashes[2]
+    coord.check_invariants()
