@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
+import math
 import sys
 import time
 import tracemalloc
@@ -217,6 +219,38 @@ def plot(prompt: list[dict[str, Any]], cache: list[dict[str, Any]], png: str) ->
     return True
 
 
+def _unwritable(path: str) -> str | None:
+    """Why an output file cannot be written at `path`, or None."""
+    p = Path(path)
+    if p.is_dir():
+        return f"{path} is a directory"
+    if not p.parent.is_dir():
+        return f"{p.parent} is not a directory"
+    return None
+
+
+def bad_options(args: argparse.Namespace) -> str | None:
+    """The first option this run would fail on (checked before any work: the full run takes
+    about 20 minutes), or None."""
+    if args.repeat < 1:
+        return f"--repeat must be >= 1, got {args.repeat}"
+    if args.limit < 1:
+        return f"--limit must be >= 1, got {args.limit}"
+    if args.memory_limit is not None and args.memory_limit < 1:
+        return f"--memory-limit must be >= 1, got {args.memory_limit}"
+    if not (math.isfinite(args.replay_memory_gib) and args.replay_memory_gib > 0):
+        return f"--replay-memory-gib must be a finite number > 0, got {args.replay_memory_gib}"
+    if args.only == "cache" and not args.trace.exists():
+        return f"--only cache needs the trace: {args.trace} is absent"
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        why = _unwritable(path) if path else None
+        if why:
+            return f"{option}: {why}"
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        return "--plot needs matplotlib (pip install -e '.[plot]')"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -232,6 +266,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", default=None, help="write every record as JSON")
     ap.add_argument("--plot", metavar="PNG", default=None, help="two panels, log x (needs matplotlib)")
     args = ap.parse_args(argv)
+    why = bad_options(args)
+    if why:
+        ap.error(why)  # one line, exit 2, before any work
     ref_ms = [py_ref_ms()]
     print(f"py_ref_ms {ref_ms[0]:.1f} (about 22 on a quiet machine of this kind)", flush=True)
     t0 = time.perf_counter()

@@ -706,7 +706,11 @@ class KVCacheCoordinator:
 
         Raises:
             InvalidTokenCountError: a negative or non-int count.
+            InvalidRequestError: `request` is neither a Request nor an EngineRequest.
         """
+        if not _is_request(request):
+            raise InvalidRequestError(f"num_blocks_needed needs a Request or an EngineRequest, got "
+                                      f"{type(request).__name__}")
         num_new_tokens = as_count(num_new_tokens, "num_new_tokens")
         num_computed = request.num_computed_tokens + as_count(num_new_computed_tokens, "num_new_computed_tokens")
         lookahead = as_count(num_lookahead_tokens, "num_lookahead_tokens")
@@ -805,8 +809,9 @@ class KVCacheCoordinator:
         request = live.request
         if n < 0 or n > request.num_tokens or n > live.num_scheduled:
             raise InvalidTokenCountError(
-                f"request {request.request_id!r} has {request.num_tokens} tokens, {live.num_scheduled} "
-                f"scheduled: cannot have processed {n}")
+                f"request {request.request_id!r}: {n} processed tokens, but at most "
+                f"{min(request.num_tokens, live.num_scheduled)} can be (it has {request.num_tokens} tokens, "
+                f"{live.num_scheduled} scheduled)")
         return n
 
     def _retire_live(self, live: RequestState, num_processed_tokens: int) -> None:
@@ -871,13 +876,34 @@ class KVCacheCoordinator:
         accepted drafts or None)`` as ``retire(request_id, n, num_accepted_drafts=a)`` (requests
         in the mapping's order). For an engine without per-request bookkeeping.
 
-        Raises: as ``retire``, for the first request that fails (the earlier ones stay settled);
-            InvalidRequestError: `outputs` is not a mapping (nothing changed)."""
+        Raises (nothing changed; every entry is checked before any is settled):
+            InvalidRequestError: `outputs` is not a mapping, an id is not a str, or a value is
+                not a pair.
+            InvalidTokenCountError: a processed count ``retire`` refuses (not an int >= 0, or
+                more than a live request's tokens or than any ``allocate`` covered).
+            InvalidDraftCountError: an accepted count not None nor an int >= 0.
+        Raises (the earlier requests stay settled): InvalidDraftCountError from a request's
+            verify (more accepted than its drafts, or a count past a verify not accepted).
+        """
         if not isinstance(outputs, Mapping):
             raise InvalidRequestError(f"update_from_output takes a mapping of request id -> (processed tokens, "
                                       f"accepted drafts or None), got {type(outputs).__name__}")
-        for rid, (num_processed, num_accepted) in outputs.items():
-            self.retire(rid, num_processed, num_accepted_drafts=num_accepted)
+        settled: list[tuple[str, int, int | None]] = []
+        for rid, value in outputs.items():
+            _refuse_id(rid)
+            if not isinstance(value, (tuple, list)) or len(value) != 2:
+                raise InvalidRequestError(f"update_from_output: request {rid!r} needs (processed tokens, accepted "
+                                          f"drafts or None), got {value!r}")
+            num_processed, num_accepted = value
+            n = as_count(num_processed, "num_processed_tokens")
+            live = self._live.get(rid)
+            if live is not None and n:
+                self._checked_processed(live, n)
+            if num_accepted is not None:
+                num_accepted = as_count(num_accepted, "num_accepted_drafts", error=InvalidDraftCountError)
+            settled.append((rid, n, num_accepted))
+        for rid, n, num_accepted in settled:
+            self.retire(rid, n, num_accepted_drafts=num_accepted)
 
     def set_now(self, now: float) -> None:
         """Set the engine's clock (seconds on a monotonic clock; ``allocate``, ``free`` and
@@ -925,6 +951,10 @@ class KVCacheCoordinator:
         """
         if now is not None:
             now = as_seconds(now)
+        if num_processed_tokens is not None and type(num_processed_tokens) is not int:
+            num_processed_tokens = as_count(num_processed_tokens, "num_processed_tokens")  # any id: as retire
+        if num_processed_tokens is not None and num_processed_tokens < 0:
+            raise InvalidTokenCountError(f"num_processed_tokens must be >= 0, got {num_processed_tokens}")
         host = self._host
         if host is not None and request_id in host.loads:  # a load in flight or its hold (never live)
             if now is not None:
@@ -1092,9 +1122,11 @@ class KVCacheCoordinator:
         hashes (the next ``get_computed_blocks`` returns the whole hit) and unpin the host
         blocks. The GPU blocks stay held for the request until its first ``allocate`` or ``free``.
 
-        Raises:
-            LoadPendingError: no load of `request_id` is in flight; nothing changed.
+        Raises (nothing changed):
+            LoadPendingError: no load of `request_id` is in flight.
+            InvalidRequestError: `request_id` is not a str.
         """
+        _refuse_id(request_id)
         if self._host is None:
             raise_no_load(request_id)
         self._host.complete(request_id)
@@ -1104,9 +1136,11 @@ class KVCacheCoordinator:
         unpublished, so they hold nothing), its host blocks unpinned; a completed load's hold is
         released. Both tiers stay as they were, less what other calls changed meanwhile.
 
-        Raises:
-            LoadPendingError: `request_id` has no load (in flight or held); nothing changed.
+        Raises (nothing changed):
+            LoadPendingError: `request_id` has no load (in flight or held).
+            InvalidRequestError: `request_id` is not a str.
         """
+        _refuse_id(request_id)
         if self._host is None or request_id not in self._host.loads:
             raise_no_load(request_id)
         self._host.release(request_id, self.now)

@@ -544,3 +544,63 @@ def test_allocate_past_the_request_names_the_tokens_not_drafts():
     with pytest.raises(MambaKVError, match=r"reaches 58 tokens, 49 beyond its 9"):
         coord.allocate(req, 50)
     assert coord.get_block_ids("r") == ([1, 2], [0, 3])
+
+
+@pytest.mark.parametrize("outputs", [
+    {"r": (8, None), 5: (1, None)},      # a bad id after a good entry
+    {"r": (8, None), "zz": (1,)},        # a value that is not a pair
+    {"r": (8, None), "q": 128},
+    {"r": (8, None), "q": None},
+    {"r": (8, None, 0)},
+    {"r": (8, None), "q": ("1", None)},  # a count that is not an int
+    {"r": (8, "0")},
+    {"r": (8, None), "q": (1, -1)},
+])
+def test_update_from_output_checks_every_entry_first(outputs):
+    """Every entry's id, shape and counts are checked before any request is settled: "r"
+    (8 scheduled, not yet retired) is left as it was, and each refusal is one line."""
+    coord, _ = _coord()
+    before = coord.describe("r")
+    with pytest.raises(MambaKVError) as err:
+        coord.update_from_output(outputs)
+    assert "\n" not in str(err.value)
+    assert coord.describe("r") == before and coord.block_pool.get_num_free_blocks() == 28
+    coord.check_invariants()
+
+
+def test_update_from_output_refuses_a_count_past_what_was_scheduled_before_settling():
+    coord, _ = _coord()
+    before = coord.describe("r")
+    coord.allocate(Request("q", list(range(100, 120))), 4)  # "q": 4 scheduled
+    with pytest.raises(InvalidTokenCountError, match="at most 4 can be"):
+        coord.update_from_output({"r": (8, None), "q": (5, None)})
+    assert coord.describe("r") == before
+    coord.update_from_output({"r": (8, None), "q": (4, None)})
+    coord.check_invariants()
+
+
+@pytest.mark.parametrize("count", [-1, True, "x", 1.5])
+def test_free_checks_its_count_whatever_the_id(count):
+    """As retire does: a bad num_processed_tokens is refused for an unknown id too."""
+    coord, _ = _coord()
+    with pytest.raises(InvalidTokenCountError):
+        coord.free("zz", num_processed_tokens=count)
+    with pytest.raises(InvalidTokenCountError):
+        coord.free("r", num_processed_tokens=count)
+    assert coord.holds_blocks("r") and coord.block_pool.get_num_free_blocks() == 28
+
+
+@pytest.mark.parametrize("bad", ["r", None, 5, {}])
+def test_num_blocks_needed_refuses_a_non_request(bad):
+    coord, _ = _coord()
+    with pytest.raises(InvalidRequestError, match="num_blocks_needed needs a Request"):
+        coord.num_blocks_needed(bad, 16)
+
+
+@pytest.mark.parametrize("call", ["complete_load", "abort_load"])
+def test_host_load_calls_refuse_a_non_str_id(call):
+    coord, _ = _coord()
+    with pytest.raises(InvalidRequestError, match="request ids are strs"):
+        getattr(coord, call)(5)
+    with pytest.raises(MambaKVError, match="no host-tier load"):
+        getattr(coord, call)("r")

@@ -64,3 +64,21 @@ def test_trace_point_records(growth: ModuleType) -> None:
     assert by["decoupled"]["num_blocks"] != by["unified"]["num_blocks"]
     lines = growth.cache_table(records)
     assert len(lines) == 3 and lines[2].startswith("| 60 | ")
+
+
+@pytest.mark.parametrize(("argv", "why"), [
+    (["--repeat", "0"], "--repeat must be >= 1"),
+    (["--limit", "-5"], "--limit must be >= 1"),
+    (["--memory-limit", "0"], "--memory-limit must be >= 1"),
+    (["--replay-memory-gib", "inf"], "--replay-memory-gib must be a finite number"),
+    (["--json", "/nonexistent-dir/x.json"], "--json: /nonexistent-dir is not a directory"),
+    (["--only", "cache", "--trace", "/nonexistent.jsonl"], "needs the trace"),
+])
+def test_bad_options_are_refused_before_any_work(growth: ModuleType, capsys: pytest.CaptureFixture[str],
+                                                 argv: list[str], why: str) -> None:
+    """One line and exit 2 before the first point (a full run takes about 20 minutes)."""
+    with pytest.raises(SystemExit) as exit_info:
+        growth.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr()
+    assert why in err.err and "py_ref_ms" not in err.out

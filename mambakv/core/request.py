@@ -61,10 +61,10 @@ class Request:
                                       f"{type(prompt_token_ids).__name__}: tokenize the text first")
         if max_tokens is not None and (not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool)
                                        or max_tokens < 0):
-            raise InvalidRequestError(f"max_tokens must be None or an int >= 0, got {max_tokens!r}")
+            raise InvalidRequestError(f"request {request_id!r}: max_tokens must be None or an int >= 0, got {max_tokens!r}")
         if lora_id is not None and (not isinstance(lora_id, (int, np.integer)) or isinstance(lora_id, bool)
                                     or lora_id < 0):
-            raise InvalidRequestError(f"lora_id must be None or an int >= 0, got {lora_id!r}")
+            raise InvalidRequestError(f"request {request_id!r}: lora_id must be None or an int >= 0, got {lora_id!r}")
         for name, key in (("lora_name", lora_name), ("cache_salt", cache_salt)):
             if key is not None and not isinstance(key, str):
                 raise InvalidRequestError(f"request {request_id!r}: {name} must be None or a str (it is part of "

@@ -146,6 +146,20 @@ def test_the_classes_resolve_by_name(model: Path, name: str) -> None:
     assert len(run.finished) == 6
 
 
+@pytest.mark.parametrize("name", ["Scheduler", "AsyncScheduler"])
+def test_a_class_that_does_not_match_async_scheduling_is_refused(model: Path, name: str) -> None:
+    """``Scheduler`` under async scheduling (or ``AsyncScheduler`` without it) ran, but vLLM
+    pairs its own classes with the setting: the mismatch gets one line naming the class to use."""
+    from mambakv import UnsupportedEngineError
+
+    config = harness.make_vllm_config(model, async_scheduling=name == "Scheduler",
+                                      scheduler_cls=f"mambakv.integrations.vllm.{name}")
+    other = "AsyncScheduler" if name == "Scheduler" else "Scheduler"
+    with pytest.raises(UnsupportedEngineError, match=f"use mambakv.integrations.vllm.{other}$") as err:
+        harness.make_scheduler(config.scheduler_config.get_scheduler_cls(), config, 64)
+    assert "\n" not in str(err.value)
+
+
 def test_another_vllm_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     import vllm
 

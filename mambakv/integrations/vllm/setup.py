@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
+
 from mambakv.core.errors import UnsupportedEngineError
 from mambakv.integrations.vllm.config import refused_group_kind
 from mambakv.integrations.vllm.manager import VllmKVCacheManager
@@ -57,11 +59,19 @@ def install_mambakv(scheduler: Any) -> VllmKVCacheManager:
     scheduler's ``kv_cache_manager`` (built from the ``KVCacheConfig`` vLLM passed).
 
     Raises:
-        UnsupportedEngineError: a refused feature (one line naming it), before anything changed.
+        UnsupportedEngineError: a refused feature (one line naming it), or a scheduler class that
+            does not match the async-scheduling setting (``Scheduler`` needs it off,
+            ``AsyncScheduler`` on, as vLLM pairs its own), before anything changed.
     """
     refused = refused_feature(scheduler)
     if refused is not None:
         raise UnsupportedEngineError(f"mambakv.integrations.vllm does not support {refused}")
+    async_on = bool(scheduler.scheduler_config.async_scheduling)
+    if async_on != isinstance(scheduler, VllmAsyncScheduler):
+        wanted = "AsyncScheduler" if async_on else "Scheduler"
+        raise UnsupportedEngineError(
+            f"mambakv.integrations.vllm.{type(scheduler).__name__} with async scheduling "
+            f"{'on' if async_on else 'off'}: use mambakv.integrations.vllm.{wanted}")
     manager = VllmKVCacheManager(
         scheduler.kv_cache_config, max_model_len=scheduler.max_model_len, hash_block_size=scheduler.hash_block_size,
         enable_caching=bool(scheduler.cache_config.enable_prefix_caching), use_eagle=scheduler.use_eagle_block_drop,
