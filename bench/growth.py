@@ -179,7 +179,7 @@ def prompt_table(records: list[dict[str, Any]]) -> list[str]:
 
 def cache_table(records: list[dict[str, Any]]) -> list[str]:
     """The cache-size table as Markdown lines (unified / decoupled in each cell)."""
-    lines = ["| cache GiB | blocks / superblocks | library us / request | ratio d/u | hit rate "
+    lines = ["| cache GiB | blocks / page ids | library us / request | ratio d/u | hit rate "
              "| tracemalloc peak (MiB) | library retained (MiB) |", "|---|---|---|---|---|---|---|"]
     for gib in sorted({r["memory_gib"] for r in records}):
         u, d = _pair(records, "memory_gib", gib)
