@@ -783,17 +783,16 @@ class KVCacheCoordinator:
                 has not come.
             InvalidRequestError: `request_id` is not a str.
         """
+        if type(num_processed_tokens) is not int or num_processed_tokens < 0:
+            num_processed_tokens = as_count(num_processed_tokens, "num_processed_tokens")  # raises
+        live = self._live.get(request_id)
+        if live is not None and num_processed_tokens:  # the count is checked before a verify is accepted
+            self._checked_processed(live, num_processed_tokens)
         if num_accepted_drafts is not None:
             self._accept_into_plan(request_id, num_accepted_drafts)
-        if type(num_processed_tokens) is not int:
-            num_processed_tokens = as_count(num_processed_tokens, "num_processed_tokens")
-        elif num_processed_tokens < 0:
-            raise InvalidTokenCountError(f"num_processed_tokens must be >= 0, got {num_processed_tokens}")
-        live = self._live.get(request_id)
         if live is None or num_processed_tokens == 0:
             _refuse_id(request_id)
             return
-        num_processed_tokens = self._checked_processed(live, num_processed_tokens)
         if num_processed_tokens >= live.retire_quiet:
             self._retire_live(live, num_processed_tokens)
 
@@ -807,7 +806,7 @@ class KVCacheCoordinator:
         n = num_processed_tokens if type(num_processed_tokens) is int else as_count(
             num_processed_tokens, "num_processed_tokens")
         request = live.request
-        if n < 0 or n > request.num_tokens or n > live.num_scheduled:
+        if n < 0 or n > request.num_tokens or n > live.num_scheduled:  # (n < 0: a plain int, unchecked)
             raise InvalidTokenCountError(
                 f"request {request.request_id!r}: {n} processed tokens, but at most "
                 f"{min(request.num_tokens, live.num_scheduled)} can be (it has {request.num_tokens} tokens, "
@@ -951,10 +950,8 @@ class KVCacheCoordinator:
         """
         if now is not None:
             now = as_seconds(now)
-        if num_processed_tokens is not None and type(num_processed_tokens) is not int:
-            num_processed_tokens = as_count(num_processed_tokens, "num_processed_tokens")  # any id: as retire
-        if num_processed_tokens is not None and num_processed_tokens < 0:
-            raise InvalidTokenCountError(f"num_processed_tokens must be >= 0, got {num_processed_tokens}")
+        if num_processed_tokens is not None and (type(num_processed_tokens) is not int or num_processed_tokens < 0):
+            num_processed_tokens = as_count(num_processed_tokens, "num_processed_tokens")  # any id, as retire: raises
         host = self._host
         if host is not None and request_id in host.loads:  # a load in flight or its hold (never live)
             if now is not None:

@@ -231,3 +231,22 @@ def test_free_with_processed_tokens_publishes_what_they_settle(processed: int | 
         assert free_cached_order(coord) == [3, 2, 1, 4]
         assert coord.block_pool.blocks[4].block_hash == req.block_hashes[2]
     coord.check_invariants()
+
+
+def test_retire_checks_its_count_before_it_accepts_a_verify() -> None:
+    """A 48-token prompt, one real token and 2 drafts scheduled (51 tokens, 49 known). Before
+    the fix ``retire("a", 1000, num_accepted_drafts=1)`` accepted the verify, then refused the
+    count: the error left the verify settled. Now nothing changes, and the same verify is
+    accepted by the next good call (49 + 1 accepted = 50 processed needs the draft appended)."""
+    coord = build(nspec=2)
+    req = run_prompt(coord, "a", list(range(48)))
+    req.append_output_token_ids(7)
+    assert coord.allocate(req, 3, num_draft_tokens=2) is not None
+    before = coord.describe("a")
+    with pytest.raises(InvalidTokenCountError, match="at most 49 can be"):
+        coord.retire("a", 1000, num_accepted_drafts=1)
+    assert coord.describe("a") == before
+    req.append_output_token_ids(8)
+    coord.retire("a", 50, num_accepted_drafts=1)
+    assert coord.describe("a") != before
+    coord.check_invariants()
