@@ -315,19 +315,17 @@ class HostLink:
         units = self.units
         if units is None:
             return
-        nodes = units.nodes
         lost_states = [b for b in dict.fromkeys(held[1]) if b.block_hash is not None and not b.ref_cnt
-                       and ((node := nodes.get(b.block_hash)) is None or node.unit is None)]
+                       and units.unit_at(b.block_hash) is None]
         if lost_states:
             self.state_block_pool.drop_cached(lost_states)  # type: ignore[attr-defined]  # an ArenaPool
         lost_pages = [b for b in dict.fromkeys(held[0]) if b.block_hash is not None and not b.ref_cnt
-                      and b.block_hash not in nodes]
+                      and not units.has_page(b.block_hash)]
         if lost_pages:
             self.block_pool.drop_cached(lost_pages)  # type: ignore[attr-defined]
         for b in held[0]:
-            node = nodes.get(b.block_hash) if b.block_hash is not None else None
-            if node is not None:
-                units.prune(node)
+            if b.block_hash is not None:
+                units.prune_page(b.block_hash)
 
     # ------------------------------------------------------------------ hooks of the coordinator's calls
     def release(self, request_id: str, now: float, *, admitted_tokens: int | None = None) -> None:
@@ -399,12 +397,7 @@ class HostLink:
         assert units is not None
         if not units.state_present(unit.key):
             return  # its state is lost already: nothing whole to store
-        keys: list[bytes] = []
-        node = unit.node
-        while node is not None:
-            keys.append(node.key)
-            node = node.parent
-        keys.reverse()
+        keys = units.chain_keys(unit.key)
         host.store_chain(keys, [len(keys) - 1], now=now, retain=unit.retain)
 
     def holders(self) -> list[KVCacheBlock]:

@@ -266,16 +266,16 @@ class HostTier:
         self.arena.settle()
         if not self.pins:
             return
-        nodes = self.units.nodes
+        units = self.units
         pages, slots = self.arena.pages, self.arena.slots
         for b in self.pins:
             key = b.block_hash
             if key is None:
                 continue
             if b.pool_id == pages.pool_id:
-                if key not in nodes:
+                if not units.has_page(key):
                     PrefixMap.remove(pages.prefix_map, b)
-            elif (node := nodes.get(key)) is None or node.unit is None:
+            elif units.unit_at(key) is None:
                 PrefixMap.remove(slots.prefix_map, b)
 
     def unpin(self, pages: Sequence[KVCacheBlock], slots: Sequence[KVCacheBlock]) -> None:
@@ -291,29 +291,25 @@ class HostTier:
             left = pins.pop(b) - 1
             if left:
                 pins[b] = left
-        nodes = self.units.nodes
-        lost = [b for b in slots if b.block_hash is not None and not b.ref_cnt
-                and ((n := nodes.get(b.block_hash)) is None or n.unit is None)]
+        units = self.units
+        lost = [b for b in slots if b.block_hash is not None and not b.ref_cnt and units.unit_at(b.block_hash) is None]
         if lost:
             self.arena.slots.drop_cached(lost)
-        lost = [b for b in pages if b.block_hash is not None and not b.ref_cnt and b.block_hash not in nodes]
+        lost = [b for b in pages if b.block_hash is not None and not b.ref_cnt and not units.has_page(b.block_hash)]
         if lost:
             self.arena.pages.drop_cached(lost)
         for b in pages:  # a page left past its chain's deepest checkpoint goes (and those above it)
-            node = nodes.get(b.block_hash) if b.block_hash is not None else None
-            if node is not None:
-                self.units.prune(node)
+            if b.block_hash is not None:
+                units.prune_page(b.block_hash)
 
     def pinned_chains(self) -> set[bytes]:
-        """The page-grid hashes of the chains the loads in flight read: each pinned block's node
-        and every node above it, up to the root (a pinned block outside the tree has none)."""
-        nodes = self.units.nodes
+        """The page-grid hashes of the chains the loads in flight read: each pinned block's page
+        and every page above it, up to the root (a pinned block outside the tree has none)."""
+        units = self.units
         keys: set[bytes] = set()
         for b in self.pins:
-            node = nodes.get(b.block_hash) if b.block_hash is not None else None
-            while node is not None and node.key not in keys:  # a key seen: its ancestors are in
-                keys.add(node.key)
-                node = node.parent
+            if b.block_hash is not None and b.block_hash not in keys and units.has_page(b.block_hash):
+                keys.update(units.chain_keys(b.block_hash))
         return keys
 
     def check_invariants(self) -> None:
@@ -330,12 +326,12 @@ class HostTier:
         Refusing the eviction instead would keep a state no load reads and skip stores."""
         self.arena.check_invariants()
         self.units.check_invariants(self.pinned_chains() if self.pins else frozenset())
-        nodes = self.units.nodes
+        units = self.units
         for b, n in self.pins.items():
             assert n > 0 and b.ref_cnt >= n, f"host block {b.block_id}: {n} pins, ref {b.ref_cnt}"
             if b.block_hash is not None:
-                node = nodes.get(b.block_hash)
-                assert node is not None and (b.pool_id == self.arena.pages.pool_id or node.unit is not None), \
+                assert (units.has_page(b.block_hash) if b.pool_id == self.arena.pages.pool_id
+                        else units.unit_at(b.block_hash) is not None), \
                     f"pinned host block {b.block_id} cached outside the tree"
         g = self.geometry
         for t in self.stores:

@@ -1,4 +1,4 @@
-"""The records of the unit index (:mod:`mambakv.core.units`): page nodes, units, their classes.
+"""The records of the unit index (:mod:`mambakv.core.units`): segments of pages, units, their classes.
 
 A unit's *class* is what the cache can see of its future when the request that wrote it is
 freed (CACHE.md: P(a request is continued) is 0.33 for a first turn, 0.21 under 2k tokens,
@@ -21,7 +21,7 @@ from types import MappingProxyType
 
 from mambakv.core.retention import Retention
 
-__all__ = ["CLASS_NAMES", "NUM_CLASSES", "Node", "Unit", "UnitStats", "unit_class"]
+__all__ = ["CLASS_NAMES", "NUM_CLASSES", "Segment", "Unit", "UnitStats", "unit_class"]
 
 _GAPS = (60.0, 300.0)
 _LENGTHS = (2048, 8192, 32768)
@@ -47,69 +47,88 @@ def _class_name(cls: int) -> str:
 CLASS_NAMES = tuple(_class_name(c) for c in range(NUM_CLASSES))
 
 
-class Node:
-    """One cached page hash of the tree: its parent, children (by hash) and unit (if a
-    checkpoint).
+class Segment:
+    """A run of cached pages on one chain: ``keys[i]`` is the hash of page ``start + i``, and
+    every page but the last has exactly one child, the next page. The tree of the unit index is
+    a tree of segments: a chain's pages share a segment until another chain branches off or a
+    checkpoint sits, so a long prompt is one object, not one per page::
 
-    Most pages have one child: ``kids`` holds None (no child), the one child Node, or a dict
-    (hash -> Node) of two or more (a branch point), so a chain costs one GC-tracked object per
-    page rather than two. ``children`` reads them as a mapping (in insertion order)."""
+        chain A   p0 p1 p2 p3 p4 p5 p6 p7        * = a unit (a checkpoint: a segment's last page)
+                        *              *
+        chain B   p0 .. p4 q5 q6                   B branches off after p4
+                              *
+        segments  [p0 p1 p2]* - [p3 p4] - [p5 p6 p7]*
+                                        - [q5 q6]*
 
-    __slots__ = ("key", "parent", "kids", "index", "unit")
+    A segment splits on demand (``UnitIndex``): at a new checkpoint or a branch inside it, and
+    it is cut from its last page up by a partial eviction. ``unit`` sits at the last page only;
+    ``kids`` holds None (no child), the one child Segment, or a dict (a child's first page hash
+    -> Segment) of two or more. ``children`` reads them as a mapping (in insertion order)."""
 
-    def __init__(self, key: bytes, parent: Node | None, index: int) -> None:
-        self.key = key
+    __slots__ = ("keys", "start", "parent", "kids", "unit")
+
+    def __init__(self, keys: list[bytes], start: int, parent: Segment | None) -> None:
+        self.keys = keys
+        self.start = start  # page index of keys[0] on the chain (tokens = (index + 1) x page_tokens)
         self.parent = parent
-        self.index = index  # page index on the chain (tokens = (index + 1) x page_tokens)
-        self.kids: Node | dict[bytes, Node] | None = None
+        self.kids: Segment | dict[bytes, Segment] | None = None
         self.unit: Unit | None = None
 
     @property
-    def children(self) -> Mapping[bytes, Node]:
-        """The children by hash (read-only: change them with ``add_child`` / ``remove_child``)."""
+    def end(self) -> int:
+        """The page index of the last page (-1 for the root sentinel, which has no page)."""
+        return self.start + len(self.keys) - 1
+
+    def __repr__(self) -> str:
+        return f"Segment(pages {self.start}..{self.end}, unit={self.unit is not None})"
+
+    @property
+    def children(self) -> Mapping[bytes, Segment]:
+        """The children by their first page hash (read-only: change them with ``add_child`` /
+        ``remove_child``)."""
         k = self.kids
         if k is None:
             return _NO_CHILDREN
-        if isinstance(k, Node):
-            return {k.key: k}
+        if isinstance(k, Segment):
+            return {k.keys[0]: k}
         return MappingProxyType(k)
 
-    def add_child(self, node: Node, policy: object) -> None:
-        """Link `node` below this one; a leaf unit here leaves the policy's leaf queues."""
+    def add_child(self, seg: Segment, policy: object) -> None:
+        """Link `seg` below the last page; a leaf unit here leaves the policy's leaf queues."""
         k = self.kids
         if k is None:
             if self.unit is not None and self.unit.leaf:
                 policy.remove_leaf(self.unit)  # type: ignore[attr-defined]
-            self.kids = node
-        elif isinstance(k, Node):
-            self.kids = {k.key: k, node.key: node}
+            self.kids = seg
+        elif isinstance(k, Segment):
+            self.kids = {k.keys[0]: k, seg.keys[0]: seg}
         else:
-            k[node.key] = node
+            k[seg.keys[0]] = seg
 
-    def remove_child(self, node: Node) -> None:
-        """Unlink the child `node` (a branch left with one child holds it directly again)."""
+    def remove_child(self, seg: Segment) -> None:
+        """Unlink the child `seg` (a branch left with one child holds it directly again)."""
         k = self.kids
-        if k is node:
+        if k is seg:
             self.kids = None
             return
         assert isinstance(k, dict), "not a child"
-        del k[node.key]
+        del k[seg.keys[0]]
         if len(k) == 1:
             self.kids = next(iter(k.values()))
 
 
-_NO_CHILDREN: Mapping[bytes, Node] = MappingProxyType({})
+_NO_CHILDREN: Mapping[bytes, Segment] = MappingProxyType({})
 
 
 class Unit:
     """A checkpoint: states at ``key`` in every Mamba group, and the pages back to the previous
-    checkpoint of the chain that made it (``seg_pages``). Alive while ``node`` is set; a ghost
-    (evicted, kept for learning) after."""
+    checkpoint of the chain that made it (``seg_pages``). Alive while ``node`` (the segment it
+    ends) is set; a ghost (evicted, kept for learning) after."""
 
     __slots__ = ("key", "node", "cls", "retain", "last_use", "seg_pages", "depth", "arrival", "prompt_end",
                  "leaf", "tier", "queue_seq")
 
-    def __init__(self, key: bytes, node: Node | None, cls: int, retain: Retention, last_use: float,
+    def __init__(self, key: bytes, node: Segment | None, cls: int, retain: Retention, last_use: float,
                  seg_pages: int, depth: int, arrival: float) -> None:
         self.key = key
         self.node = node
@@ -125,7 +144,12 @@ class Unit:
         self.queue_seq = 0  # its live entry in a LeafQueue (0: in none)
 
     def __repr__(self) -> str:
-        return f"Unit(index={self.node.index if self.node else None}, cls={self.cls}, last_use={self.last_use})"
+        return f"Unit(index={self.index}, cls={self.cls}, last_use={self.last_use})"
+
+    @property
+    def index(self) -> int | None:
+        """The page index of its checkpoint on the chain (None: a ghost)."""
+        return self.node.end if self.node is not None else None
 
 
 @dataclass

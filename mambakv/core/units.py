@@ -3,8 +3,8 @@
 A hybrid hit at position ``p`` needs every attention page up to ``p`` *and* a state at ``p``
 (CACHE.md), so a cached page past a chain's deepest checkpoint can never be hit, nor can a state
 whose pages are gone. The unit index keeps the cached prefix as a tree of pages keyed by their
-chained hash (the page grid: one node per page) and evicts it in units (SGLang's tombstone-leaf
-deletion; Marconi, MLSys 2025)::
+chained hash (the page grid) and evicts it in units (SGLang's tombstone-leaf deletion; Marconi,
+MLSys 2025)::
 
     chain   p0 - p1 - p2 - p3 - p4 - p5 - p6          * = a state (checkpoint) at that page
                        *              *
@@ -18,37 +18,47 @@ choose (a pop of the LRU head when no unit could be evicted, a superblock conver
 by ``settle``: what it made unreachable goes too. The policy (:mod:`mambakv.core.eviction`)
 picks the victims; the index only keeps the tree, the leaves and the ghosts of evicted units.
 
+The tree is kept by segments (:class:`~mambakv.core.unit_types.Segment`), not by page: a run of
+pages each the only child of the one before is one object, split where another chain branches
+off, where a checkpoint sits (a unit is always a segment's last page) or where a partial eviction
+cuts it. In the picture above, one request's chain is two segments, ``[p0 p1 p2]`` and
+``[p3 p4 p5]`` (``p6`` is dropped). Registering, evicting and pruning cost per segment plus one
+dict entry per page (``where``: page hash -> its segment) and one pool call per segment's pages,
+so the 64-token page grid (8.5x finer than a 544-token block) costs the tree almost nothing more.
+
 The invariants, after every coordinator call whatever the policy (``check_invariants``):
 
-1. the tree: each node's page is cached in every full-attention group, its parent is the page
-   before it on the chain, children and parents agree; a unit's node has a state in every Mamba
-   group; the leaf queues hold exactly the units without children;
-2. no cached page past a chain's deepest checkpoint: a free cached page has a node, and a
+1. the tree: each page of a segment is cached in every full-attention group and indexed to it
+   (``where``), a segment starts the page after its parent's last one, children and parents
+   agree; a unit is its segment's last page, with a state in every Mamba group; the leaf queues
+   hold exactly the units without children;
+2. no cached page past a chain's deepest checkpoint: a free cached page is in the tree, with a
    checkpoint at or below it;
-3. no cached state whose pages are gone: a free cached state has a unit whose node reaches the
-   root;
+3. no cached state whose pages are gone: a free cached state has a unit whose segment reaches
+   the root;
 
 except on a running request's chain (a copy of the page is in a table, or the hash is on a live
-request's chain): it registers when freed. A node has a unit iff every Mamba group caches a state
+request's chain): it registers when freed. A page is a unit iff every Mamba group caches a state
 at its hash, except while a running request that published the state still holds the page.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence, Set
+from itertools import repeat
+from operator import attrgetter
 
 from mambakv.core.arena_pool import ArenaPool
 from mambakv.core.block import KVCacheBlock
 from mambakv.core.block_pool import MapEntry
 from mambakv.core.eviction import EvictionPolicy
 from mambakv.core.retention import Retention
-from mambakv.core.unit_types import Node, Unit, UnitStats, unit_class
+from mambakv.core.unit_types import Segment, Unit, UnitStats, unit_class
 
-__all__ = ["Node", "Unit", "UnitIndex", "UnitStats", "unit_class"]
+__all__ = ["Segment", "Unit", "UnitIndex", "UnitStats", "unit_class"]
 
 
-#: most pruned nodes kept for reuse
-_SPARE_NODES = 1 << 16
+_REF_CNT = attrgetter("ref_cnt")
 
 
 def _in_every(maps: dict[int, dict[bytes, MapEntry]], gids: tuple[int, ...], key: bytes) -> bool:
@@ -93,12 +103,16 @@ def _touch(unit: Unit, retain: Retention, now: float, policy: object) -> None:
         policy.touch(unit)  # type: ignore[attr-defined]
 
 
+def _as_list(keys: Sequence[bytes]) -> list[bytes]:
+    return keys if isinstance(keys, list) else list(keys)
+
+
 def _blocks(entry: object) -> list[KVCacheBlock]:
     return list(entry.values()) if isinstance(entry, dict) else [entry]  # type: ignore[list-item]
 
 
 class UnitIndex:
-    """The page tree, its units and the policy that ranks the leaves.
+    """The segment tree of cached pages, its units and the policy that ranks the leaves.
 
     Args:
         pages / slots: the arena's page and state-slot pools.
@@ -115,10 +129,10 @@ class UnitIndex:
         self.page_gids, self.state_gids = tuple(page_gids), tuple(state_gids)
         self.page_tokens, self.page_bytes, self.slot_bytes = page_tokens, page_bytes, slot_bytes
         self.policy = policy
-        self.nodes: dict[bytes, Node] = {}
-        #: pruned nodes kept for reuse (``new_node``): a reused node is no new GC-tracked object,
-        #: so the page churn of a host tier promotes nothing to the old generation
-        self.spare: list[Node] = []
+        #: the sentinel above page 0 (no page, no unit): its kids are the chains' first segments
+        self.root = Segment([], 0, None)
+        #: page hash -> the segment holding it (in the order the pages joined the tree)
+        self.where: dict[bytes, Segment] = {}
         self.stats = UnitStats()
         policy.configure(page_tokens=page_tokens, page_bytes=page_bytes, slot_bytes=slot_bytes,
                          num_states=len(self.state_gids), stats=self.stats)
@@ -143,6 +157,55 @@ class UnitIndex:
         """No copy of the state at `key` is in a table."""
         return not _held(self.slots.cached_block_hash_to_block, self.state_gids, key)
 
+    @property
+    def num_pages(self) -> int:
+        """Pages in the tree."""
+        return len(self.where)
+
+    def has_page(self, key: bytes) -> bool:
+        """The page hash `key` is in the tree."""
+        return key in self.where
+
+    def unit_at(self, key: bytes) -> Unit | None:
+        """The live unit whose checkpoint is the page hash `key`, or None."""
+        seg = self.where.get(key)
+        if seg is None or seg.unit is None or seg.keys[-1] != key:
+            return None
+        return seg.unit
+
+    def page_entries(self) -> Iterator[tuple[bytes, int, Unit | None]]:
+        """Every page of the tree as ``(hash, page index, the unit checkpointed there or None)``:
+        segments parents first, each one's pages in chain order. O(pages)."""
+        for seg in self.segments():
+            last = len(seg.keys) - 1
+            for i, key in enumerate(seg.keys):
+                yield key, seg.start + i, seg.unit if i == last else None
+
+    def segments(self) -> Iterator[Segment]:
+        """Every segment of the tree, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            seg = stack.pop()
+            yield seg
+            stack.extend(seg.children.values())
+
+    def live_units(self) -> Iterator[Unit]:
+        """Every live unit, parents before children."""
+        return (seg.unit for seg in self.segments() if seg.unit is not None)
+
+    def chain_keys(self, key: bytes) -> list[bytes]:
+        """The page hashes from page 0 down to the tree's page `key`, in chain order.
+
+        Raises:
+            KeyError: `key` is not in the tree."""
+        seg = self.where[key]
+        parts = [seg.keys[:seg.keys.index(key) + 1]]
+        seg = seg.parent  # type: ignore[assignment]
+        while seg is not None:
+            parts.append(seg.keys)
+            seg = seg.parent  # type: ignore[assignment]
+        return [k for part in reversed(parts) for k in part]
+
     def _free_copies(self, pool: ArenaPool, gids: tuple[int, ...], key: bytes, out: list[KVCacheBlock]) -> None:
         out.extend(b for b in _copies(pool.cached_block_hash_to_block, gids, key) if not b.ref_cnt)
 
@@ -154,36 +217,76 @@ class UnitIndex:
             pool.drop_cached(blocks)
         return len(blocks)
 
-    def checkpoints(self, hashes: Sequence[bytes]) -> list[int]:
-        """Page indices of the units on the chain `hashes`, ascending: its deepest node found by
-        bisection (a chain's nodes are a prefix of it), then the walk up to the root."""
-        nodes = self.nodes
-        lo, hi = 0, len(hashes)
+    def _depth(self, hashes: Sequence[bytes], lo: int, hi: int) -> int:
+        """How many pages of the chain `hashes` are in the tree, given ``lo <= it <= hi``: the
+        tree is closed under parents and a chained hash names its whole prefix, so a chain's
+        pages in the tree are a prefix of it, found by bisection."""
+        where = self.where
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if hashes[mid - 1] in nodes:
+            if hashes[mid - 1] in where:
                 lo = mid
             else:
                 hi = mid - 1
+        return lo
+
+    def checkpoints(self, hashes: Sequence[bytes]) -> list[int]:
+        """Page indices of the units on the chain `hashes`, ascending: its deepest page in the
+        tree, then the walk up the segments to the root."""
+        lo = self._depth(hashes, 0, len(hashes))
+        if not lo:
+            return []
+        seg: Segment | None = self.where[hashes[lo - 1]]
+        if seg.end > lo - 1:  # type: ignore[union-attr]  # its unit is past the chain
+            seg = seg.parent  # type: ignore[union-attr]
         positions: list[int] = []
-        node = nodes[hashes[lo - 1]] if lo else None
-        while node is not None:
-            if node.unit is not None:
-                positions.append(node.index)
-            node = node.parent
+        while seg is not None:
+            if seg.unit is not None:
+                positions.append(seg.end)
+            seg = seg.parent
         positions.reverse()
         return positions
 
-    def new_node(self, key: bytes, parent: Node | None, index: int) -> Node:
-        """``nodes[key]``: a new node (a spare one when there is one), linked by the caller."""
-        spare = self.spare
-        if spare:
-            node = spare.pop()
-            node.key, node.parent, node.index = key, parent, index
-        else:
-            node = Node(key, parent, index)
-        self.nodes[key] = node
-        return node
+    def _split(self, seg: Segment, i: int) -> Segment:
+        """Make page `i` (of `seg`, not its last) the end of `seg`: the pages below it become a
+        new child segment that takes the kids and the unit. Returns `seg`. O(pages moved)."""
+        keys = seg.keys
+        j = i - seg.start + 1
+        low = Segment(keys[j:], i + 1, seg)
+        del keys[j:]
+        low.kids, seg.kids = seg.kids, low
+        low.unit, seg.unit = seg.unit, None
+        if low.unit is not None:
+            low.unit.node = low
+        for c in low.children.values():
+            c.parent = low
+        self.where.update(zip(low.keys, repeat(low)))
+        return seg
+
+    def _cut(self, key: bytes, i: int) -> Segment:
+        """The segment that ends at page `i` (hash `key`, in the tree), split there if needed."""
+        seg = self.where[key]
+        return self._split(seg, i) if i < seg.end else seg
+
+    def _grow(self, parent: Segment, keys: list[bytes], start: int) -> Segment:
+        """A new segment of `keys` (pages from `start`) below `parent`'s last page."""
+        seg = Segment(keys, start, parent)
+        self.where.update(zip(keys, repeat(seg)))
+        parent.add_child(seg, self.policy)  # a leaf unit gets a child: out of the leaf queues
+        return seg
+
+    @staticmethod
+    def _last_unit_index(seg: Segment | None) -> int:
+        """The page index of the deepest unit at or above `seg`'s last page, -1 if none."""
+        while seg is not None and seg.unit is None:
+            seg = seg.parent
+        return seg.end if seg is not None else -1
+
+    def _above(self, key: bytes, i: int) -> Segment:
+        """The segment whose last page is at or above page `i` (hash `key`, in the tree) on the
+        chain and whose unit, if any, is on the chain up to `i`."""
+        seg = self.where[key]
+        return seg if seg.end == i else seg.parent  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ admission / free
     def admit(self, hashes: Sequence[bytes], num_prompt_pages: int, hit_pages: int, now: float) -> Unit | None:
@@ -191,19 +294,23 @@ class UnitIndex:
         in a reuse), evicted units on its chain are ghost hits. Returns the deepest unit that
         ended an earlier prompt on the chain (live or ghost), the request's conversation parent."""
         self.now = now
-        policy, nodes, page = self.policy, self.nodes, self.page_tokens
+        policy, page = self.policy, self.page_tokens
         chain = hashes[:min(num_prompt_pages, len(hashes))]
         parent: Unit | None = None
         parent_index = -1
-        node = nodes.get(chain[hit_pages - 1]) if 0 < hit_pages <= len(chain) else None
-        while node is not None:  # the hit's units: a leaf among them was reused
-            unit = node.unit
+        seg: Segment | None = None
+        if 0 < hit_pages <= len(chain):
+            key = chain[hit_pages - 1]
+            if key in self.where:
+                seg = self._above(key, hit_pages - 1)
+        while seg is not None:  # the hit's units: a leaf among them was reused
+            unit = seg.unit
             if unit is not None:
                 if unit.leaf:
                     policy.on_reuse(unit, now, hit_pages * page)
                 if unit.prompt_end and parent is None:
-                    parent, parent_index = unit, node.index
-            node = node.parent
+                    parent, parent_index = unit, seg.end
+            seg = seg.parent
         for i, unit in policy.ghost.pop_present(chain):  # evicted units on the chain: ghost hits
             policy.on_ghost_hit(unit, now, (i + 1 - hit_pages) * page)
             if unit.prompt_end and i > parent_index:
@@ -215,21 +322,23 @@ class UnitIndex:
         """A request was freed: add its chain (`hashes`, its full-attention `tables`) to the tree,
         make units of the checkpoints on it, drop its pages past the deepest one::
 
-            request's pages   0 ................ d | d+1 ...... n-1 | n ... (a gap: unreachable)
-                              nodes, units          | tail: dropped   | dropped
-                              (existing ones touched) (unless another chain's nodes)
+            request's pages   0 ........ t-1 | t ...... d | d+1 ...... n-1 | n ... (a gap: unreachable)
+                              in the tree      new segments | tail: dropped   | dropped
+                              (units touched,  one per unit  (unless in the tree)
+                               split at new ones)
 
         ``d`` is the deepest page with a state in every Mamba group; a state in some groups only
-        (one was evicted while the request held the others) is dropped: it never hits. Nodes are
-        made only up to ``d``: a tail page never enters the tree. The whole chain is walked, its
-        hit included (a unit there may have been evicted and published again while the request
-        ran). `start`: ``hashes[:start]`` are nodes already (a host tier's known prefix);
-        ``tables[g][j]`` is then the block at ``start + j`` and the walk begins at `start`."""
+        (one was evicted while the request held the others) is dropped: it never hits. Pages join
+        the tree only up to ``d``: a tail page never does. The whole chain is walked, its hit
+        included (a unit there may have been evicted and published again while the request ran).
+        `start`: ``hashes[:start]`` are in the tree already (a host tier's known prefix);
+        ``tables[g][j]`` is then the block at ``start + j`` and the walk begins at `start`.
+        Cost: one dict lookup per page, then work per state and per segment."""
         self.now = now
 
         n = min(len(hashes), start + min((len(t) for t in tables), default=0))
-        nodes, policy = self.nodes, self.policy
-        assert start == 0 or hashes[start - 1] in nodes, "a known prefix must be nodes"
+        where, policy = self.where, self.policy
+        assert start == 0 or hashes[start - 1] in where, "a known prefix must be in the tree"
         # The whole chain is walked, its hit included: while the request ran, a unit on its hit may
         # have been evicted (its state freed by retirement) and another request may have published
         # a state there again; skipping the hit missed that (found by the fuzzer).
@@ -251,78 +360,67 @@ class UnitIndex:
             if lost:
                 self.pages.drop_cached(lost)
                 self.stats.tail_pages += len(lost)
-            for key in hashes[i:]:  # another chain's node keeps a whole state (its unit), not a partial one
-                if (key in first or _partial_state(key, others)) and (key not in nodes
+            for key in hashes[i:]:  # a page in the tree keeps a whole state (its unit), not a partial one
+                if (key in first or _partial_state(key, others)) and (key not in where
                                                                       or not self.state_present(key)):
                     self._drop(self.slots, self.state_gids, key)
         n = i
+        keys = _as_list(hashes[:n])  # one read of the chain (a BlockHashView reads per page)
         # the deepest checkpoint
         state_present = self.state_present
         d = n - 1
-        while d >= start and not (hashes[d] in first and state_present(hashes[d])):
+        while d >= start and not (keys[d] in first and state_present(keys[d])):
             d -= 1
         if d < start:  # no new checkpoint: the new pages are a tail
             d = start - 1
+        t = self._depth(keys, start, n)  # keys[:t] are in the tree
         depth = parent.depth + 1 if parent is not None else 1
         gap = arrival - parent.arrival if parent is not None else None
         cls = unit_class(depth, gap, prompt_tokens)
-        prev: Node | None = nodes[hashes[start - 1]] if start else None
+        last_index = self._last_unit_index(self._above(keys[start - 1], start - 1)) if start else -1
         last_unit: Unit | None = None
-        last_index = -1  # the chain's previous checkpoint (a unit's pages are those since it)
-        up = prev
-        while up is not None and up.unit is None:
-            up = up.parent
-        if up is not None:
-            last_index = up.index
-        new_node, spare = self.new_node, self.spare
-        fresh = False  # past the tree: nodes are closed under parents, so no later page is a node
-        for i in range(start, d + 1):
-            key = hashes[i]
-            if fresh:  # a new node below the new node before it (its unit, if any, is no leaf yet)
-                if spare:  # self.new_node, inlined
-                    node = spare.pop()
-                    node.key, node.parent, node.index = key, prev, i
-                else:
-                    node = Node(key, prev, i)
-                nodes[key] = prev.kids = node  # type: ignore[union-attr]
-            else:
-                got = nodes.get(key)
-                if got is not None:
-                    node = got
-                else:
-                    fresh = True
-                    node = new_node(key, prev, i)
-                    if prev is not None:
-                        prev.add_child(node, policy)  # a leaf unit gets a child: out of the leaf queues
-            if key in first:
-                if state_present(key):
-                    unit = node.unit
-                    if unit is None:
-                        unit = node.unit = Unit(key, node, cls, retain, now, i - last_index, depth, arrival)
-                    else:
-                        _touch(unit, retain, now, policy)
-                    last_unit, last_index = unit, i
-                elif self._drop(self.slots, self.state_gids, key):
+        # the pages with a state (in some group) up to d, ascending: units, or partial states dropped
+        if others:
+            marked = [j for j in range(start, d + 1) if (k := keys[j]) in first or _partial_state(k, others)]
+        else:
+            marked = [j for j in range(start, d + 1) if keys[j] in first]
+        grow: Segment | None = None  # the segment the next new pages hang below (past the tree)
+        seg_start = t
+        for j in marked:
+            key = keys[j]
+            if key not in first or not state_present(key):
+                if self._drop(self.slots, self.state_gids, key):
                     self.stats.partial_states += 1  # part of a state (one group's was evicted): it never hits
-            else:
-                for m in others:  # inline: once per page of every chain
-                    if key in m:
-                        if self._drop(self.slots, self.state_gids, key):
-                            self.stats.partial_states += 1
-                        break
-            prev = node
+                continue
+            if j < t:  # in the tree: a unit there is touched, a new one splits its segment
+                seg = self._cut(key, j)
+                unit = seg.unit
+                if unit is None:
+                    unit = seg.unit = Unit(key, seg, cls, retain, now, j - last_index, depth, arrival)
+                else:
+                    _touch(unit, retain, now, policy)
+            else:  # past the tree: a new segment ends at each new unit
+                if grow is None:
+                    grow = self._cut(keys[t - 1], t - 1) if t else self.root
+                    seg = self._grow(grow, keys[t:j + 1], t)
+                else:
+                    seg = Segment(keys[seg_start:j + 1], seg_start, grow)
+                    where.update(zip(seg.keys, repeat(seg)))
+                    grow.kids = seg  # below a new unit: no leaf yet
+                unit = seg.unit = Unit(key, seg, cls, retain, now, j - last_index, depth, arrival)
+                grow, seg_start = seg, j + 1
+            last_unit, last_index = unit, j
         if last_unit is not None:
             last_unit.prompt_end = True
-        # the tail: pages past the deepest checkpoint (another chain's nodes stay, its partial states go)
+        # the tail: pages past the deepest checkpoint (the tree's pages stay with their whole
+        # states, their partial states go; the rest go)
         blocks: list[KVCacheBlock] = []
-        for i in range(d + 1, n):
-            key = hashes[i]
+        for j in range(d + 1, n):
+            key = keys[j]
             has_state = key in first or _partial_state(key, others)
-            tail_node = nodes.get(key)
-            if tail_node is not None:  # another chain's page: it and its whole states stay, a partial one goes
+            if j < t:
                 if has_state and not state_present(key) and self._drop(self.slots, self.state_gids, key):
                     self.stats.partial_states += 1
-                prev = tail_node
                 continue
             if has_state and self._drop(self.slots, self.state_gids, key):
                 self.stats.partial_states += 1
@@ -330,55 +428,44 @@ class UnitIndex:
         if blocks:
             self.pages.drop_cached(blocks)
             self.stats.tail_pages += len(blocks)
-        if prev is not None:
-            self.stats.tail_pages += self.prune(prev)
+        last = max(d, min(t, n) - 1)  # the deepest page of the chain in the tree now
+        if last >= 0:
+            seg = where[keys[last]]
+            if seg.end == last:
+                self.stats.tail_pages += self.prune(seg)
 
     def add_chain(self, hashes: Sequence[bytes], start: int, positions: Sequence[int], *, retain: Retention,
                   now: float, prompt_tokens: int) -> None:
         """A store into this (host) tier: every page of ``hashes[:positions[-1] + 1]`` is cached,
-        ``hashes[:start]`` are nodes, and the new states are exactly at `positions` (ascending,
-        none a unit yet; one below `start` starts the walk there): nodes from `start` and units
-        at `positions`. The lean form of ``register``: no presence checks, no tails (the chain
-        ends at its deepest state)."""
+        ``hashes[:start]`` are in the tree, and the new states are exactly at `positions`
+        (ascending, none a unit yet; one below `start` starts the walk there): the pages join
+        the tree from `start`, units at `positions`. The lean form of ``register``: no presence
+        checks, no tails (the chain ends at its deepest state)."""
         self.now = now
-
-        nodes, policy = self.nodes, self.policy
         start = min(start, positions[0])  # a state above the known prefix: the walk starts there
-        prev: Node | None = nodes[hashes[start - 1]] if start else None
-        last_index = -1
-        up = prev
-        while up is not None and up.unit is None:
-            up = up.parent
-        if up is not None:
-            last_index = up.index
+        end = positions[-1] + 1
+        keys = _as_list(hashes[:end])
+        t = self._depth(keys, start, end)  # keys[:t] are in the tree
+        last_index = self._last_unit_index(self._above(keys[start - 1], start - 1)) if start else -1
         cls = unit_class(1, None, prompt_tokens)
         unit: Unit | None = None
-        j = start  # the next page to make a node of
-        new_node, spare = self.new_node, self.spare
-        fresh = False  # past the tree: nodes are closed under parents, so no later page is a node
+        grow: Segment | None = None
+        seg_start = t
         for p in positions:
-            while j <= p:
-                key = hashes[j]
-                if fresh:  # the hot case: a new node below the new node before it
-                    if spare:  # self.new_node, inlined
-                        node = spare.pop()
-                        node.key, node.parent, node.index = key, prev, j
-                    else:
-                        node = Node(key, prev, j)
-                    nodes[key] = prev.kids = node  # type: ignore[union-attr]
-                else:
-                    got = nodes.get(key)
-                    if got is not None:
-                        node = got
-                    else:
-                        fresh = True
-                        node = new_node(key, prev, j)
-                        if prev is not None:
-                            prev.add_child(node, policy)  # a leaf unit gets a child: out of the leaf queues
-                prev = node
-                j += 1
-            assert prev is not None and prev.index == p and prev.unit is None, f"page {p} is a unit already"
-            unit = prev.unit = Unit(prev.key, prev, cls, retain, now, p - last_index, 1, now)
+            if p < t:
+                seg = self._cut(keys[p], p)
+            elif grow is None:
+                grow = self._cut(keys[t - 1], t - 1) if t else self.root
+                seg = grow = self._grow(grow, keys[t:p + 1], t)
+            else:
+                seg = Segment(keys[seg_start:p + 1], seg_start, grow)
+                self.where.update(zip(seg.keys, repeat(seg)))
+                grow.kids = seg
+                grow = seg
+            if p >= t:
+                seg_start = p + 1
+            assert seg.unit is None, f"page {p} is a unit already"
+            unit = seg.unit = Unit(seg.keys[-1], seg, cls, retain, now, p - last_index, 1, now)
             last_index = p
         if unit is not None:
             unit.prompt_end = True
@@ -388,145 +475,191 @@ class UnitIndex:
     def evict_unit(self, unit: Unit, *, chosen: bool = True) -> tuple[int, int]:
         """Drop `unit`'s states and the pages only it needed; it becomes a ghost.
         Returns ``(pages, slots)`` freed. `chosen`: the policy picked it (else a cascade)."""
-        node = unit.node
-        assert node is not None and node.unit is unit
+        seg = unit.node
+        assert seg is not None and seg.unit is unit
         if self.before_evict is not None:
             self.before_evict(unit)
         slots = self._drop(self.slots, self.state_gids, unit.key)
-        node.unit = None
+        seg.unit = None
         self.policy.on_evict(unit, self.now, chosen=chosen)
-        pages = self.prune(node)
+        pages = self.prune(seg)
         return pages, slots
 
-    def prune(self, node: Node) -> int:
-        """Drop pages from `node` up while a page has no child, no state and no holder; a unit
-        left without children becomes a leaf. Returns the pages freed."""
-        nodes, policy, pages, gids, spare = self.nodes, self.policy, self.pages, self.page_gids, self.spare
+    def prune_page(self, key: bytes) -> int:
+        """``prune`` from the tree's page `key` (nothing if it is not in the tree or has a child)."""
+        seg = self.where.get(key)
+        if seg is None or seg.keys[-1] != key:
+            return 0
+        return self.prune(seg)
+
+    def prune(self, seg: Segment) -> int:
+        """Drop pages from `seg`'s last page up while a page has no child, no state and no holder,
+        one pool call for them all; a unit left without children becomes a leaf. Returns the
+        pages freed::
+
+            [a0 a1 a2]*  ->  [b0 b1 b2 b3]          b3: no child, no unit: pruned from
+                                  ^ held            b1 is held: b2, b3 go, the segment ends at b1
+
+            with nothing held: all of [b0..b3] goes, then [a0 a1 a2] ends in a unit with no
+            child left: it becomes a leaf
+        """
+        where, policy, pages, gids, root = self.where, self.policy, self.pages, self.page_gids, self.root
         maps = pages.cached_block_hash_to_block
         blocks: list[KVCacheBlock] = []
-        n: Node | None = node
         single = maps.get(gids[0]) if len(gids) == 1 else None
-        while n is not None and n.kids is None and n.unit is None:
-            key = n.key
+        s = seg
+        while s is not root and s.kids is None and s.unit is None:
+            keys = s.keys
+            if single is not None:  # one full-attention group: the whole segment in one pass
+                run = list(map(single.get, reversed(keys)))
+                try:
+                    held = any(map(_REF_CNT, run))
+                except AttributeError:  # a page with several copies (a dict) or none: page by page
+                    held = True
+                if not held:
+                    blocks += run  # type: ignore[arg-type]  # each one a block: its ref_cnt was read
+                    j = 0
+                else:
+                    j = self._free_tail(keys, single, maps, gids, blocks)
+            else:
+                j = self._free_tail(keys, None, maps, gids, blocks)
+            for key in keys[j:]:
+                del where[key]
+            if j:  # a held page: the segment now ends there
+                del keys[j:]
+                break
+            parent = s.parent
+            assert parent is not None
+            parent.remove_child(s)
+            s.parent = None
+            s = parent
+        else:
+            if s.unit is not None and s.kids is None and not s.unit.leaf:
+                s.unit.last_use = self.now  # its life as a leaf starts now (ages are since then)
+                policy.add_leaf(s.unit)
+        if blocks:
+            pages.drop_cached(blocks)
+        return len(blocks)
+
+    def _free_tail(self, keys: list[bytes], single: dict[bytes, MapEntry] | None,
+                   maps: dict[int, dict[bytes, MapEntry]], gids: tuple[int, ...], blocks: list[KVCacheBlock]) -> int:
+        """Collect the free copies of `keys`' pages from the last one up until a held page;
+        returns how many pages stay (the held page and those above it)."""
+        j = len(keys)
+        while j:
+            key = keys[j - 1]
             e = single.get(key) if single is not None else None
-            if e is not None and not isinstance(e, dict):  # one copy in the one group: the common case
+            if e is not None and not isinstance(e, dict):  # one copy in the one group
                 if e.ref_cnt:
                     break
                 blocks.append(e)
             elif _held(maps, gids, key):
                 break
             else:
-                self._free_copies(pages, gids, key, blocks)
-            del nodes[key]
-            parent = n.parent
-            if parent is not None:
-                if parent.kids is n:
-                    parent.kids = None
-                else:
-                    parent.remove_child(n)
-                n.parent = None
-            if len(spare) < _SPARE_NODES:  # no children, no unit: as new once re-keyed
-                spare.append(n)
-            n = parent
-        else:
-            if n is not None and n.unit is not None and n.kids is None and not n.unit.leaf:
-                n.unit.last_use = self.now  # its life as a leaf starts now (ages are since then)
-                policy.add_leaf(n.unit)
-        if blocks:
-            pages.drop_cached(blocks)
-        return len(blocks)
+                self._free_copies(self.pages, gids, key, blocks)
+            j -= 1
+        return j
 
     def settle(self) -> None:
         """Follow up the evictions the index did not choose (recorded by the pools): a lost page
         takes its subtree, a lost state its unit."""
         pages, slots = self.pages.prefix_map, self.slots.prefix_map
+        where = self.where
         while pages.lost or slots.lost:  # type: ignore[attr-defined]
             lost_pages, pages.lost = pages.lost, []  # type: ignore[attr-defined]
             lost_states, slots.lost = slots.lost, []  # type: ignore[attr-defined]
             for key in lost_pages:
-                node = self.nodes.get(key)
-                if node is not None and not self.page_present(key):
-                    self._break(node)
+                seg = where.get(key)
+                if seg is not None and not self.page_present(key):
+                    self._break(seg, seg.keys.index(key))
             for key in lost_states:
-                node = self.nodes.get(key)
-                if node is not None and node.unit is not None:
+                unit = self.unit_at(key)
+                if unit is not None:
                     if not self.state_present(key):
                         self.stats.cascades += 1
-                        self.evict_unit(node.unit, chosen=False)
+                        self.evict_unit(unit, chosen=False)
                 elif not self.state_present(key) and self._drop(self.slots, self.state_gids, key):
                     self.stats.partial_states += 1
 
-    def _break(self, node: Node) -> None:
-        """`node`'s page is gone: nothing below it can be hit."""
+    def _break(self, seg: Segment, j: int) -> None:
+        """The page ``seg.keys[j]`` is gone: nothing below it can be hit (its pages and units go,
+        in depth-first order, each page's copies after its unit's states)."""
         self.stats.cascades += 1
-        stack = [node]
+        where = self.where
+        stack = [(seg, j)]
         while stack:
-            n = stack.pop()
-            stack.extend(n.children.values())
-            if n.unit is not None:
-                self._drop(self.slots, self.state_gids, n.key)
-                unit, n.unit = n.unit, None
+            s, k = stack.pop()
+            stack.extend((c, 0) for c in s.children.values())
+            keys = s.keys
+            for key in keys[k:-1]:
+                self._drop(self.pages, self.page_gids, key)
+                del where[key]
+            if s.unit is not None:
+                self._drop(self.slots, self.state_gids, keys[-1])
+                unit, s.unit = s.unit, None
                 self.policy.on_evict(unit, self.now, chosen=False)
-            self._drop(self.pages, self.page_gids, n.key)
-            del self.nodes[n.key]
-        parent = node.parent
-        if parent is not None:
-            parent.remove_child(node)
+            self._drop(self.pages, self.page_gids, keys[-1])
+            del where[keys[-1]]
+        seg.kids = None
+        if j:
+            del seg.keys[j:]
+            self.prune(seg)
+        else:
+            parent = seg.parent
+            assert parent is not None
+            parent.remove_child(seg)
+            seg.parent = None
             self.prune(parent)
 
     def clear(self) -> None:
-        """Forget every node (the prefix cache was reset); ghosts and learned tables stay."""
-        for node in self.nodes.values():
-            if node.unit is not None:
-                self.policy.on_evict(node.unit, self.now, chosen=False)
-        self.nodes.clear()
+        """Forget every segment (the prefix cache was reset); ghosts and learned tables stay."""
+        for key, seg in self.where.items():  # units in the order their pages joined the tree
+            if seg.unit is not None and seg.keys[-1] == key:
+                self.policy.on_evict(seg.unit, self.now, chosen=False)
+        self.where.clear()
+        self.root.kids = None
         self.pages.prefix_map.lost.clear()  # type: ignore[attr-defined]
         self.slots.prefix_map.lost.clear()  # type: ignore[attr-defined]
 
     def check_invariants(self, live_keys: Set[bytes] = frozenset()) -> None:
-        """Assert the invariants of the module docstring, O(cached blocks + nodes). `live_keys`:
+        """Assert the invariants of the module docstring, O(cached blocks + pages). `live_keys`:
         the page-grid hashes of the running requests' chains (what they will register when freed).
 
         Raises:
             AssertionError: an invariant is broken."""
-
-        nodes = self.nodes
-        has_checkpoint: dict[bytes, bool] = {}
-
-        def below(node: Node) -> bool:  # a checkpoint at or below `node` (iterative post-order)
-            stack = [(node, False)]
-            while stack:
-                n, done = stack.pop()
-                if n.key in has_checkpoint:
-                    continue
-                if done:
-                    has_checkpoint[n.key] = n.unit is not None or any(has_checkpoint[c] for c in n.children)
-                else:
-                    stack.append((n, True))
-                    stack.extend((c, False) for c in n.children.values())
-            return has_checkpoint[node.key]
-
-        leaves = 0
-        for key, node in nodes.items():
-            assert node.key == key
-            assert self.page_present(key), f"node {node.index}: its page is not cached"
-            p = node.parent
-            if p is None:
-                assert node.index == 0, f"node {node.index} has no parent"
-            else:
-                assert nodes.get(p.key) is p and p.children.get(key) is node and p.index == node.index - 1, \
-                    f"node {node.index}: parent link"
-            for ck, c in node.children.items():
-                assert c.parent is node and nodes.get(ck) is c, f"node {node.index}: child link"
-            if node.unit is not None:
-                assert self.state_present(key), f"node {node.index}: a unit without a state in every group"
-            elif self.state_present(key):  # published on a running chain (a junction): a unit when it is freed
-                assert key in live_keys or self.page_held(key), f"node {node.index}: a state in every group but no unit"
-            if node.unit is not None:
-                u = node.unit
-                assert u.node is node and u.key == key
-                assert u.leaf == (not node.children), f"unit at {node.index}: leaf flag {u.leaf} with {len(node.children)} children"
+        root, where = self.root, self.where
+        assert root.unit is None and not root.keys and root.parent is None
+        # every segment once, parents first; the checkpoint flags bottom-up
+        order: list[Segment] = []
+        stack = [root]
+        while stack:
+            s = stack.pop()
+            order.append(s)
+            for ck, c in s.children.items():
+                assert c.parent is s and c.keys and c.keys[0] == ck, f"{c!r}: child link"
+                assert c.start == s.end + 1, f"{c!r} does not start below {s!r}"
+                stack.append(c)
+        has_checkpoint: dict[int, bool] = {}
+        for s in reversed(order):
+            has_checkpoint[id(s)] = s.unit is not None or any(has_checkpoint[id(c)] for c in s.children.values())
+        num_pages = leaves = 0
+        for s in order[1:]:
+            num_pages += len(s.keys)
+            for key in s.keys:
+                assert where.get(key) is s, f"{s!r}: a page indexed to another segment"
+                assert self.page_present(key), f"{s!r}: a page is not cached"
+            for key in s.keys[:-1]:  # no unit inside a segment
+                if self.state_present(key):  # published on a running chain (a junction): a unit when it is freed
+                    assert key in live_keys or self.page_held(key), f"{s!r}: a state in every group but no unit"
+            u = s.unit
+            if u is not None:
+                assert u.node is s and u.key == s.keys[-1], f"{s!r}: unit link"
+                assert self.state_present(u.key), f"{s!r}: a unit without a state in every group"
+                assert u.leaf == (s.kids is None), f"unit at {s.end}: leaf flag {u.leaf} with {len(s.children)} children"
                 leaves += u.leaf
+            elif self.state_present(s.keys[-1]):
+                assert s.keys[-1] in live_keys or self.page_held(s.keys[-1]), f"{s!r}: a state in every group but no unit"
+        assert num_pages == len(where), f"{len(where)} pages indexed, {num_pages} in the segments"
         assert leaves == self.policy.num_leaves, f"{leaves} leaf units, policy queues {self.policy.num_leaves}"
         self.policy.check_invariants()
 
@@ -534,16 +667,16 @@ class UnitIndex:
         for gid in self.page_gids:
             for key, entry in page_maps.get(gid, {}).items():
                 if all(b.ref_cnt == 0 for b in _blocks(entry)) and key not in live_keys and not self.page_held(key):
-                    page_node = nodes.get(key)
-                    assert page_node is not None, "a free cached page outside the tree"
-                    assert below(page_node), f"a free cached page at {page_node.index} past its chain's deepest checkpoint"
+                    page_seg = where.get(key)
+                    assert page_seg is not None, "a free cached page outside the tree"
+                    assert has_checkpoint[id(page_seg)], \
+                        f"a free cached page in {page_seg!r} past its chain's deepest checkpoint"
         state_maps = self.slots.cached_block_hash_to_block
         for gid in self.state_gids:
             for key, entry in state_maps.get(gid, {}).items():
                 if any(b.ref_cnt == 0 for b in _blocks(entry)) and key not in live_keys and not self.page_held(key):
-                    state_node = nodes.get(key)
-                    assert state_node is not None and state_node.unit is not None, "a free cached state without its unit"
-                    n: Node | None = state_node
-                    while n is not None and n.parent is not None:
-                        n = n.parent
-                    assert n is not None and n.index == 0, "a free cached state whose chain does not reach the root"
+                    assert self.unit_at(key) is not None, "a free cached state without its unit"
+                    up: Segment | None = where[key]
+                    while up is not None and up is not root:
+                        up = up.parent
+                    assert up is root, "a free cached state whose chain does not reach the root"

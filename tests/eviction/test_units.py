@@ -78,12 +78,11 @@ class Harness:
 
     def units(self) -> list[tuple[int, int, float, bool]]:
         """(page index of the checkpoint, class, last_use, leaf), sorted."""
-        return sorted((n.index, n.unit.cls, n.unit.last_use, n.unit.leaf)
-                      for n in self.coord.units.nodes.values() if n.unit)
+        return sorted((i, u.cls, u.last_use, u.leaf) for _, i, u in self.coord.units.page_entries() if u)
 
     def keys(self) -> dict[tuple[int, float], bytes]:
         """(index, last_use) -> the unit's key, for the live units."""
-        return {(n.index, n.unit.last_use): n.key for n in self.coord.units.nodes.values() if n.unit}
+        return {(i, u.last_use): key for key, i, u in self.coord.units.page_entries() if u}
 
     def hit(self, toks: list[int]) -> int:
         return self.coord.get_computed_blocks(Request("probe", toks))[1]
@@ -93,14 +92,14 @@ def test_abcd_setup_units():
     h = Harness()
     h.run("A", A, 0.0)
     assert h.units() == [(2, 0, 0.0, True)]  # depth 1, no gap, prompt < 2k: class 0
-    assert len(h.coord.units.nodes) == 3     # pages 0..2
+    assert h.coord.units.num_pages == 3     # pages 0..2
     h.run("B", B, 10.0)
     # B: depth 2, gap 10 s < 60 (bin 1), prompt < 2k: (1 * 4 + 1) * 4 + 0 = 20; A's unit is now interior
     assert h.units() == [(2, 0, 10.0, False), (4, 20, 10.0, True)]
     h.run("C", C, 20.0)
     h.run("D", D, 30.0)
     assert h.units() == [(2, 0, 10.0, False), (2, 0, 20.0, True), (2, 0, 30.0, True), (4, 20, 10.0, True)]
-    assert len(h.coord.units.nodes) == 11  # 3 (A) + 2 (B's pages 3, 4) + 3 (C) + 3 (D)
+    assert h.coord.units.num_pages == 11  # 3 (A) + 2 (B's pages 3, 4) + 3 (C) + 3 (D)
     assert h.stats.evictions == 0
 
 
@@ -121,7 +120,7 @@ def test_lru_evicts_oldest_leaf_then_parent_becomes_leaf(n):
     # B's unit is gone, A's unit became a leaf at 40 (a leaf's life, and age, start when it becomes one);
     # E's unit is new
     assert h.units() == [(2, 0, 20.0, True), (2, 0, 30.0, True), (2, 0, 40.0, True), (2, 0, 40.0, True)]
-    assert len(h.coord.units.nodes) == 11 - 2 + 3  # B's pages 3, 4 dropped, E's 0..2 added
+    assert h.coord.units.num_pages == 11 - 2 + 3  # B's pages 3, 4 dropped, E's 0..2 added
     assert b_key in h.coord.units.policy.ghost
     assert a_key not in h.coord.units.policy.ghost
     assert h.hit(B) == 12  # B's prompt now only reaches A's state at 12 tokens
@@ -162,7 +161,7 @@ def test_tail_pages_dropped_at_free():
     # deepest checkpoint: page 2 (12 tokens, no decode checkpoints); pages 3, 4, 5 are full and hashed but past it
     assert h.stats.tail_pages == 3
     assert h.units() == [(2, 0, 5.0, True)]
-    assert len(h.coord.units.nodes) == 3
+    assert h.coord.units.num_pages == 3
     assert pages.get_num_free_blocks() == 7  # all 7 pages free again
     assert count_unhashed(pages, 100) == 4   # 3 tail pages + the partial page 6, unhashed at the head
     assert sum(len(m) for m in h.coord.block_pool.cached_block_hash_to_block.values()) == 3  # pages 0..2 only
@@ -290,18 +289,18 @@ def test_cascade_on_lost_page():
     h = Harness(12)
     h.run("A", A, 0.0)
     h.run("B", B, 10.0)
-    nodes = h.coord.units.nodes
-    p1 = next(n for n in nodes.values() if n.index == 1)
-    state_keys = [n.key for n in nodes.values() if n.unit]
-    assert len(state_keys) == 2 and len(nodes) == 5
-    entry = h.coord.block_pool.cached_block_hash_to_block[0][p1.key]
+    units = h.coord.units
+    p1 = next(key for key, i, _ in units.page_entries() if i == 1)
+    state_keys = [key for key, _, u in units.page_entries() if u]
+    assert len(state_keys) == 2 and units.num_pages == 5
+    entry = h.coord.block_pool.cached_block_hash_to_block[0][p1]
     block_id = entry.block_id if not isinstance(entry, dict) else next(iter(entry.values())).block_id
     h.coord.block_pool.evict_blocks([block_id])
     h.coord.check_invariants()
     # page 1 lost: pages 1..4 (A's unit at 2, B's at 4) go; page 0 has no child or state left: pruned too
     assert h.stats.cascades == 1
     assert h.stats.cascade_evictions == 2 and h.stats.evictions == 0
-    assert len(nodes) == 0 and h.units() == []
+    assert units.num_pages == 0 and h.units() == []
     for m in h.coord.state_block_pool.cached_block_hash_to_block.values():
         assert not any(k in m for k in state_keys)
     assert h.hit(B) == 0
@@ -386,7 +385,7 @@ def test_a_ttl_unit_shared_with_a_high_request_stays_high(eviction):
     h = Harness(12, eviction=eviction)
     h.run("A", A, 0.0, retain=30.0)
     assert h.run("A2", A, 1.0, retain="high") == 12  # A's state at 12: the whole unit is A2's hit
-    a_unit = next(n.unit for n in h.coord.units.nodes.values() if n.unit)
+    a_unit = next(h.coord.units.live_units())
     assert a_unit.retain.tier == 2 and a_unit.retain.ttl is None
     for i, toks in enumerate((C, D, E, [t + 400 for t in C], [t + 400 for t in D])):
         h.run(f"x{i}", toks, 100.0 + 50 * i)  # idle 100+ s: a ttl of 30 s would long have expired
@@ -415,4 +414,4 @@ def test_a_state_lost_in_one_group_leaves_no_partial_state():
     assert key not in m0 and key not in m1 and coord.units.stats.partial_states == 1
     coord.free("R", now=2.0)
     coord.check_invariants()
-    assert not any(n.unit for n in coord.units.nodes.values())
+    assert not any(coord.units.live_units())

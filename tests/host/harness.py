@@ -32,7 +32,7 @@ def full_snapshot(coord: KVCacheCoordinator) -> tuple:
     (tests/property/fuzz_checks.snapshot), the host pools' free counts and the host stats."""
     host = coord.host
     extra = () if host is None else (host.arena.pages.get_num_free_blocks(), host.arena.slots.get_num_free_blocks(),
-                                     repr(host.stats), len(host.units.nodes))
+                                     repr(host.stats), host.units.num_pages)
     return snapshot(coord), extra, repr(coord.prefix_cache_stats)
 
 

@@ -203,7 +203,7 @@ def test_preempt_all_aborts_loads_so_reset_succeeds(complete):
     assert not c.load_pending("B2") and c.take_transfer_plan().loads == ()
     assert c.reset_prefix_cache()
     c.check_invariants()
-    assert len(c.host.units.nodes) == 0 and c.get_computed_blocks(Request("B3", B2))[1] == 0
+    assert c.host.units.num_pages == 0 and c.get_computed_blocks(Request("B3", B2))[1] == 0
 
 
 def test_host_spec_refusals():
@@ -246,14 +246,14 @@ def test_pinned_blocks_a_loss_cut_off_leave_the_tree_and_a_store_refills_it():
     probe = Request("q", A, max_tokens=1)
     probe.set_hash_block_size(4)
     keys = probe.block_hashes
-    assert [n.index for n in host.units.nodes.values() if n.unit is not None] == [2]
+    assert [u.index for u in host.units.live_units()] == [2]
     pages, slots = host.pin(keys, [2], 2)
     page0 = host.arena.pages.cached_block_hash_to_block[0][keys[0]]
     host.arena.pages.evict_blocks([page0.block_id])
     c.check_invariants()  # the pinned page and state left the tree and lost their hashes
-    assert not host.units.nodes and not host.host_state(keys[2]) and not host.host_page(keys[2])
+    assert not host.units.num_pages and not host.host_state(keys[2]) and not host.host_page(keys[2])
     assert host.store_chain(keys, [2], now=1.0)  # A's chain is still on the GPU: stored again
-    assert [n.index for n in host.units.nodes.values() if n.unit is not None] == [2]
+    assert [u.index for u in host.units.live_units()] == [2]
     c.check_invariants()
     host.unpin([b for _, _, b in pages], [b for _, b in slots])
     c.check_invariants()

@@ -37,7 +37,7 @@ def chain_keys(toks: list[int]) -> list[bytes]:
 
 def host_nodes(coord: KVCacheCoordinator) -> list[tuple[int, bool]]:
     """The host tree: (page index, has a unit) per node."""
-    return sorted((n.index, n.unit is not None) for n in coord.host.units.nodes.values())
+    return sorted((i, u is not None) for _, i, u in coord.host.units.page_entries())
 
 
 def gpu_page(coord: KVCacheCoordinator, key: bytes):
@@ -165,7 +165,7 @@ def test_decoupled_load_pins_a_page_of_an_evicted_host_unit(how):
 
     c.block_pool.evict_blocks([gpu_page(c, keys[4]).block_id])
     c.check_invariants()
-    assert not c.units.nodes and h.gpu_hit(B2) == 0
+    assert not c.units.num_pages and h.gpu_hit(B2) == 0
     hit = c.get_computed_blocks_tiered(Request("B2", B2, max_tokens=1), now=1.0)
     assert (hit.num_gpu_tokens, hit.num_host_tokens) == (0, 20)
     c.complete_load("B2")

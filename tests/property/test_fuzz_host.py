@@ -122,7 +122,7 @@ def full_snapshot(coord: KVCacheCoordinator) -> tuple:
     host = coord.host
     assert host is not None
     return (snapshot(coord), in_use(host.arena.pages), in_use(host.arena.slots), repr(host.stats),
-            sorted(host.units.nodes), repr(coord.prefix_cache_stats))
+            sorted(host.units.where), repr(coord.prefix_cache_stats))
 
 
 class HostFuzzMachine(RuleBasedStateMachine):
@@ -439,7 +439,7 @@ class HostFuzzMachine(RuleBasedStateMachine):
         else:
             assert not coord.take_transfer_plan(), "RESET: transfers survived"
             self.maybe_pending = False
-            assert len(coord.host.units.nodes) == 0 and not any(
+            assert coord.host.units.num_pages == 0 and not any(
                 b.block_hash is not None for p in (coord.host.arena.pages, coord.host.arena.slots) for b in p.blocks)
             STATS["resets"] += 1
 

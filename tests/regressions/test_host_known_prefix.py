@@ -28,7 +28,7 @@ def test_parent_state_stored_after_its_child_becomes_a_host_unit() -> None:
     assert host.host_state(keys[4]) and not host.host_state(keys[2])
     h.run("X1", D, 3.0)  # then A's unit: only its state at 2 (its pages are on the host)
     assert host.host_state(keys[2])
-    units = sorted(n.index for n in host.units.nodes.values() if n.unit is not None)
+    units = sorted(u.index for u in host.units.live_units())
     assert units == [2, 4]  # the parent's state is a unit (before the fix: [4], the invariant failed)
     hit = coord.get_computed_blocks_tiered(Request("A2", A + [999], max_tokens=1), now=10.0)
     assert (hit.num_gpu_tokens, hit.num_host_tokens) == (0, 12)  # A's 3 pages and its state, from the host
@@ -48,10 +48,10 @@ def test_write_through_state_above_the_known_prefix_becomes_a_unit() -> None:
     h.run("B", B, 1.0)
     probe = Request("q", B, max_tokens=1)
     probe.set_hash_block_size(4)
-    node2 = host.units.nodes[probe.block_hashes[2]]
-    assert node2.unit is not None
-    host.units.evict_unit(node2.unit, chosen=False)  # the lost state: pages 0..4 stay (B's unit below)
+    unit2 = host.units.unit_at(probe.block_hashes[2])
+    assert unit2 is not None
+    host.units.evict_unit(unit2, chosen=False)  # the lost state: pages 0..4 stay (B's unit below)
     assert not host.host_state(probe.block_hashes[2]) and host.host_prefix(probe.block_hashes, 5) == 5
     h.run("C", B + list(range(60, 68)), 2.0)
-    units = sorted(n.index for n in host.units.nodes.values() if n.unit is not None)
+    units = sorted(u.index for u in host.units.live_units())
     assert units == [2, 4, 6]

@@ -149,5 +149,5 @@ def test_a_partial_state_on_another_chains_interior_node_is_dropped_at_free() ->
     coord.retire("a", 52)
     coord.free("a")
     assert pool.get_cached_block(key32, [1]) is None and pool.get_cached_block(key32, [2]) is None
-    assert coord.units is not None and coord.units.nodes[key32].unit is None  # Y's interior node stays
+    assert coord.units is not None and coord.units.has_page(key32) and coord.units.unit_at(key32) is None  # Y's interior node stays
     coord.check_invariants()
