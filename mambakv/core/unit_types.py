@@ -65,19 +65,21 @@ class Segment:
     ``kids`` holds None (no child), the one child Segment, or a dict (a child's first page hash
     -> Segment) of two or more. ``children`` reads them as a mapping (in insertion order)."""
 
-    __slots__ = ("keys", "start", "parent", "kids", "unit")
+    __slots__ = ("keys", "start", "end", "parent", "kids", "unit")
 
     def __init__(self, keys: list[bytes], start: int, parent: Segment | None) -> None:
-        self.keys = keys
+        self.keys = keys  # shrink it with ``truncate`` only (it keeps ``end``)
         self.start = start  # page index of keys[0] on the chain (tokens = (index + 1) x page_tokens)
+        #: the page index of the last page (-1 for the root sentinel, which has no page)
+        self.end = start + len(keys) - 1
         self.parent = parent
         self.kids: Segment | dict[bytes, Segment] | None = None
         self.unit: Unit | None = None
 
-    @property
-    def end(self) -> int:
-        """The page index of the last page (-1 for the root sentinel, which has no page)."""
-        return self.start + len(self.keys) - 1
+    def truncate(self, j: int) -> None:
+        """Keep the first `j` pages (0 < j <= len(keys))."""
+        del self.keys[j:]
+        self.end = self.start + j - 1
 
     def __repr__(self) -> str:
         return f"Segment(pages {self.start}..{self.end}, unit={self.unit is not None})"

@@ -253,7 +253,7 @@ class UnitIndex:
         keys = seg.keys
         j = i - seg.start + 1
         low = Segment(keys[j:], i + 1, seg)
-        del keys[j:]
+        seg.truncate(j)
         low.kids, seg.kids = seg.kids, low
         low.unit, seg.unit = seg.unit, None
         if low.unit is not None:
@@ -526,7 +526,7 @@ class UnitIndex:
             for key in keys[j:]:
                 del where[key]
             if j:  # a held page: the segment now ends there
-                del keys[j:]
+                s.truncate(j)
                 break
             parent = s.parent
             assert parent is not None
@@ -602,7 +602,7 @@ class UnitIndex:
             del where[keys[-1]]
         seg.kids = None
         if j:
-            del seg.keys[j:]
+            seg.truncate(j)
             self.prune(seg)
         else:
             parent = seg.parent
@@ -638,6 +638,7 @@ class UnitIndex:
             for ck, c in s.children.items():
                 assert c.parent is s and c.keys and c.keys[0] == ck, f"{c!r}: child link"
                 assert c.start == s.end + 1, f"{c!r} does not start below {s!r}"
+                assert c.end == c.start + len(c.keys) - 1, f"{c!r}: end is not its last page"
                 stack.append(c)
         has_checkpoint: dict[int, bool] = {}
         for s in reversed(order):
