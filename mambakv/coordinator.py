@@ -654,6 +654,8 @@ class KVCacheCoordinator:
             if hit and m.req_to_blocks.get(rid):
                 raise MambaKVError(f"request {rid!r} already holds blocks; hits are for new requests")
             keys = group_block_hashes(request, m.block_size) if hit else ()
+            if m.block_pool.holds_cached(hit, keys, gid):
+                continue  # the common case: every block valid (below: nulls allowed, or which one is wrong)
             for slot, block in enumerate(hit):
                 if not 0 <= block.block_id < len(pool_blocks) or pool_blocks[block.block_id] is not block:
                     raise InvalidBlockError(f"hit block {block.block_id} is not a block of this pool")

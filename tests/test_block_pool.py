@@ -411,3 +411,27 @@ def test_kv_event_all_blocks_cleared():
     quiet = BlockPool(4)
     assert quiet.reset_prefix_cache() is True
     assert quiet.take_events() == []
+
+
+def test_holds_cached_is_true_only_for_this_pools_blocks_under_their_keys() -> None:
+    """``holds_cached``: blocks 1, 2 cached under h(1), h(2) in group 0 hold; any block that is
+    not (another pool's block with the same id and hash, another group, a shorter key list, the
+    null block, an evicted block) makes it False."""
+    pool, other = BlockPool(8), BlockPool(8)
+    b = pool.get_new_blocks(2)
+    o = other.get_new_blocks(2)
+    pool.cache_full_blocks(b, [h(1), h(2)], 0)
+    other.cache_full_blocks(o, [h(1), h(2)], 0)
+    assert [x.block_id for x in b] == [x.block_id for x in o] == [1, 2]
+    assert pool.holds_cached(b, [h(1), h(2)], 0)
+    assert pool.holds_cached([], [], 0)
+    assert not pool.holds_cached(o, [h(1), h(2)], 0)  # same ids and hashes, other objects
+    assert not pool.holds_cached(b, [h(1), h(2)], 1)
+    assert not pool.holds_cached(b, [h(1)], 0)
+    assert not pool.holds_cached(b, [h(2), h(1)], 0)
+    assert not pool.holds_cached([pool.null_block], [h(1)], 0)
+    pool.free_blocks(b)
+    pool.evict_blocks([2])
+    assert not pool.holds_cached(b, [h(1), h(2)], 0)
+    assert pool.holds_cached(b[:1], [h(1), h(2)], 0)
+    pool.check_invariants()

@@ -439,6 +439,20 @@ class BlockPool:
         self.free_block_queue.spill(block_id - self._fresh_lo + 1)
         return self._made[block_id]  # type: ignore[return-value]
 
+    def holds_cached(self, blocks: Sequence[KVCacheBlock], keys: Sequence[bytes], group_id: int) -> bool:
+        """Whether every block of `blocks` is this pool's (made here, the object at its id)
+        and cached under ``keys[i]`` in group `group_id` (so no null block). One pass, no
+        per-block call: the check of a prefix hit's blocks (False says nothing about which)."""
+        made = self._made
+        n = len(made)
+        if len(blocks) > len(keys):
+            return False
+        for block, key in zip(blocks, keys):
+            i = block.block_id
+            if not (0 <= i < n and made[i] is block and block.block_hash == key and block.cache_group_id == group_id):
+                return False
+        return True
+
     @property
     def num_evictions(self) -> int:
         """Cached blocks whose hash was dropped (to reuse them, or by ``evict_blocks``)."""

@@ -380,10 +380,13 @@ class UnitIndex:
         last_index = self._last_unit_index(self._above(keys[start - 1], start - 1)) if start else -1
         last_unit: Unit | None = None
         # the pages with a state (in some group) up to d, ascending: units, or partial states dropped
-        if others:
-            marked = [j for j in range(start, d + 1) if (k := keys[j]) in first or _partial_state(k, others)]
-        else:
-            marked = [j for j in range(start, d + 1) if keys[j] in first]
+        span = range(start, d + 1)
+        marked = [j for j in span if keys[j] in first]
+        if others:  # one membership pass per group (no call per page), merged ascending
+            with_state = set(marked)
+            for m in others:
+                with_state.update([j for j in span if keys[j] in m])
+            marked = sorted(with_state)
         grow: Segment | None = None  # the segment the next new pages hang below (past the tree)
         seg_start = t
         for j in marked:
