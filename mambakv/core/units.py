@@ -275,6 +275,17 @@ class UnitIndex:
         parent.add_child(seg, self.policy)  # a leaf unit gets a child: out of the leaf queues
         return seg
 
+    def _extend(self, keys: list[bytes], t: int, j: int, below: Segment | None) -> Segment:
+        """A new segment of the chain's pages up to `j`, past the tree (which holds ``keys[:t]``):
+        below `below`, the previous new segment (its unit has no leaf yet), or, for the first
+        (None), below page ``t - 1`` (split there; the root for ``t == 0``)."""
+        if below is None:
+            return self._grow(self._cut(keys[t - 1], t - 1) if t else self.root, keys[t:j + 1], t)
+        seg = Segment(keys[below.end + 1:j + 1], below.end + 1, below)
+        self.where.update(zip(seg.keys, repeat(seg)))
+        below.kids = seg
+        return seg
+
     @staticmethod
     def _last_unit_index(seg: Segment | None) -> int:
         """The page index of the deepest unit at or above `seg`'s last page, -1 if none."""
@@ -387,8 +398,7 @@ class UnitIndex:
             for m in others:
                 with_state.update([j for j in span if keys[j] in m])
             marked = sorted(with_state)
-        grow: Segment | None = None  # the segment the next new pages hang below (past the tree)
-        seg_start = t
+        grow: Segment | None = None  # the last new segment (past the tree): the next one hangs below it
         for j in marked:
             key = keys[j]
             if key not in first or not state_present(key):
@@ -403,15 +413,8 @@ class UnitIndex:
                 else:
                     _touch(unit, retain, now, policy)
             else:  # past the tree: a new segment ends at each new unit
-                if grow is None:
-                    grow = self._cut(keys[t - 1], t - 1) if t else self.root
-                    seg = self._grow(grow, keys[t:j + 1], t)
-                else:
-                    seg = Segment(keys[seg_start:j + 1], seg_start, grow)
-                    where.update(zip(seg.keys, repeat(seg)))
-                    grow.kids = seg  # below a new unit: no leaf yet
+                seg = grow = self._extend(keys, t, j, grow)
                 unit = seg.unit = Unit(key, seg, cls, retain, now, j - last_index, depth, arrival)
-                grow, seg_start = seg, j + 1
             last_unit, last_index = unit, j
         if last_unit is not None:
             last_unit.prompt_end = True
@@ -453,20 +456,11 @@ class UnitIndex:
         cls = unit_class(1, None, prompt_tokens)
         unit: Unit | None = None
         grow: Segment | None = None
-        seg_start = t
         for p in positions:
             if p < t:
                 seg = self._cut(keys[p], p)
-            elif grow is None:
-                grow = self._cut(keys[t - 1], t - 1) if t else self.root
-                seg = grow = self._grow(grow, keys[t:p + 1], t)
             else:
-                seg = Segment(keys[seg_start:p + 1], seg_start, grow)
-                self.where.update(zip(seg.keys, repeat(seg)))
-                grow.kids = seg
-                grow = seg
-            if p >= t:
-                seg_start = p + 1
+                seg = grow = self._extend(keys, t, p, grow)
             assert seg.unit is None, f"page {p} is a unit already"
             unit = seg.unit = Unit(seg.keys[-1], seg, cls, retain, now, p - last_index, 1, now)
             last_index = p
